@@ -1,0 +1,47 @@
+"""The shapes of the elements that flow between the pipeline's transforms.
+
+Elements are plain tuples and dicts rather than NamedTuples or dataclasses: Beam encodes them
+with its fast primitive coder, where a NamedTuple would be inferred as a schema'd Row and pay
+for RowCoder on every shuffle.
+"""
+
+import json
+from typing import Any
+
+# (file, row, (user, item, timestamp, weight), raw): values as read, not yet validated.
+# `weight` is None when the input has no weight column; `raw` is the row as found in the file.
+RawRow = tuple[str, int, tuple[Any, Any, Any, Any], str]
+
+# A validated interaction waiting for its user's other interactions, keyed by user id.
+# The value's field order is the sort order the split protocol needs:
+# (timestamp, item) first, then (file, row) to keep the first of exact duplicates.
+Event = tuple[str, tuple[int, str, str, int, float, str]]
+
+# One row of a split: (user_id, item_id, timestamp seconds, weight).
+Interaction = tuple[str, str, int, float]
+
+# {"file", "row", "field", "reason", "raw"}: why one input row was not used.
+Rejection = dict[str, Any]
+
+# Rejection reasons (the `reason` values in rejected/*.jsonl and stats.rejected_by_reason).
+MISSING_FIELD = "missing_field"
+MISSING_COLUMN = "missing_column"
+WRONG_COLUMN_COUNT = "wrong_column_count"
+MALFORMED_ROW = "malformed_row"
+UNDECODABLE = "undecodable"
+UNREADABLE_FILE = "unreadable_file"
+BAD_ID = "bad_id"
+BAD_TIMESTAMP = "bad_timestamp"
+BAD_WEIGHT = "bad_weight"
+AFTER_RUN_DATE = "after_run_date"
+DUPLICATE = "duplicate"
+
+
+def rejection(file: str, row: int, field: str | None, reason: str, raw: str) -> Rejection:
+    """One rejected-row record, in the key order it is written."""
+    return {"file": file, "row": row, "field": field, "reason": reason, "raw": raw}
+
+
+def raw_json(record: dict[str, Any]) -> str:
+    """A row read from a columnar file as one JSON line (its raw content for rejections)."""
+    return json.dumps(record, ensure_ascii=False, default=str)

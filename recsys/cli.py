@@ -1,0 +1,148 @@
+"""The `recsys` command line: one subcommand per stage, plus `nightly` for all of them."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+os.environ.setdefault("TF_USE_LEGACY_KERAS", "1")
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+from recsys.config import load_config
+from recsys.errors import RecsysError
+from recsys.layout import parse_date
+
+log = logging.getLogger("recsys")
+
+
+def _parser() -> argparse.ArgumentParser:
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("--config", help="YAML config (default: configs/default.yaml)")
+    common.add_argument("--workdir", default="recsys-work", help="working directory")
+    common.add_argument(
+        "--date", help="run date YYYY-MM-DD: data up to and including it (default: yesterday, UTC)"
+    )
+    common.add_argument("--input", help="raw input path (overrides the config's data source)")
+    common.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    run_id = argparse.ArgumentParser(add_help=False)
+    run_id.add_argument("--run-id", help="training run to use (default: the date's latest)")
+
+    parser = argparse.ArgumentParser(prog="recsys", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    pre = sub.add_parser("preprocess", parents=[common], help="raw log -> TFRecords (Beam)")
+    pre.add_argument("--output", help="output folder (default: <workdir>/data/<date>)")
+    sub.add_parser("train", parents=[common], help="train the two-tower model")
+    sub.add_parser("evaluate", parents=[common, run_id], help="exact evaluation of a run")
+    exp = sub.add_parser("export", parents=[common, run_id], help="SavedModels + embeddings")
+    exp.add_argument(
+        "--verify",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="reload the exports in a fresh process and compare (default: config)",
+    )
+    sub.add_parser("nightly", parents=[common], help="all stages for one date, tracked in MLflow")
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point: run one subcommand; a user error becomes one line and a non-zero exit."""
+    args = _parser().parse_args(argv)
+    logging.basicConfig(
+        level=logging.DEBUG if args.verbose else logging.INFO,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        stream=sys.stderr,
+    )
+    for noisy in ("apache_beam", "absl", "tensorflow", "mlflow", "alembic"):
+        logging.getLogger(noisy).setLevel(logging.WARNING)
+    try:
+        return _dispatch(args)
+    except RecsysError as exc:
+        print(f"recsys: error: {exc}", file=sys.stderr)
+        return exc.exit_code
+    except KeyboardInterrupt:
+        print("recsys: interrupted", file=sys.stderr)
+        return 130
+
+
+def _dispatch(args: argparse.Namespace) -> int:
+    from recsys import stages
+
+    config = load_config(args.config)
+    workdir = stages.check_workdir(args.workdir)
+    date = parse_date(args.date)
+    if args.command == "preprocess":
+        out, stats = stages.preprocess(
+            config, workdir, date, args.input, Path(args.output) if args.output else None
+        )
+        _print_stats(out, stats)
+    elif args.command == "train":
+        if args.input:
+            config = config.with_input(args.input)
+        run_dir, result = stages.train(config, workdir, date)
+        print(f"trained run: {run_dir}")
+        print(
+            f"final loss: {result.history['loss'][-1]:.4f} "
+            f"({result.examples_per_second:,.0f} examples/s)"
+        )
+    elif args.command == "evaluate":
+        run_dir, report = stages.evaluate(config, workdir, date, args.run_id)
+        print(f"metrics: {run_dir / 'metrics.json'}")
+        _print_metrics(report)
+    elif args.command == "export":
+        exported = stages.export(config, workdir, date, args.run_id, args.verify)
+        _print_export(exported)
+    elif args.command == "nightly":
+        result = stages.nightly(config, workdir, date, args.input)
+        _print_stats(result.data_dir, _read_stats(result.data_dir))
+        print(f"run:         {result.run_dir}")
+        _print_export(result.export)
+        print(f"mlflow run:  {result.mlflow_run_id}")
+        _print_metrics(result.metrics)
+    return 0
+
+
+def _read_stats(data_dir: Path) -> dict[str, Any]:
+    import json
+
+    return json.loads((data_dir / "stats.json").read_text())
+
+
+def _print_stats(out: Path, stats: dict[str, Any]) -> None:
+    splits = stats.get("splits", {})
+    print(f"data:        {out}")
+    print(
+        f"  rows {stats.get('input_rows')}: train {splits.get('train')}, "
+        f"validation {splits.get('validation')}, test {splits.get('test')}, "
+        f"rejected {stats.get('rejected')}; users {stats.get('users')}, "
+        f"items {stats.get('items')}"
+    )
+
+
+def _print_export(exported: Any) -> None:
+    for name, path in exported.models.items():
+        print(f"savedmodel:  {name} -> {path}")
+    for name, path in exported.embeddings.items():
+        print(f"embeddings:  {name} -> {path}")
+    if exported.verification:
+        print("verified:    fresh-process reload matches the in-memory model")
+
+
+def _print_metrics(report: dict[str, Any]) -> None:
+    model, baselines = report["model"], report.get("baselines", {})
+    names = [k for k in model if k != "eval_users"]
+    header = f"{'metric':<16}{'model':>10}" + "".join(f"{b:>12}" for b in baselines)
+    print(f"test metrics ({int(model.get('eval_users', 0))} users; {report.get('protocol', '')})")
+    print(header)
+    for name in names:
+        row = f"{name:<16}{model[name]:>10.4f}"
+        row += "".join(f"{baselines[b].get(name, float('nan')):>12.4f}" for b in baselines)
+        print(row)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,143 @@
+"""Exact top-K evaluation over the whole catalog (the protocol of docs/ARCHITECTURE.md).
+
+For each evaluation user with one held-out target item, every catalog item is scored, the
+user's known items (training, plus validation when testing) are removed, and the target's
+rank r (0-based; ties broken by catalog order) gives the per-user values
+
+    recall@K = 1[r < K]      ndcg@K = 1[r < K] / log2(r + 2)      rr@K = 1[r < K] / (r + 1)
+
+averaged over users. coverage@K is the share of the catalog that appears in any user's
+top K. A target missing from the catalog (an item never seen in training) is a miss.
+Scores are computed in user batches, so memory is batch x catalog, never users x catalog.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from recsys import schema
+from recsys.config import EvaluationConfig
+
+ScoreFn = Callable[[np.ndarray], np.ndarray]
+"""Rows of evaluation users -> float scores [len(rows), num_items] in catalog order."""
+
+
+@dataclass
+class EvalSet:
+    """Held-out targets and the items to exclude, in catalog index space."""
+
+    users: list[str]
+    targets: np.ndarray  # catalog index of each user's target, -1 if not in the catalog
+    exclude: list[np.ndarray]  # per user: catalog indices to remove from the ranking
+    num_items: int
+
+
+def build_eval_set(
+    catalog: list[str], eval_rows: dict[str, np.ndarray], known_rows: list[dict[str, np.ndarray]]
+) -> EvalSet:
+    """Targets from `eval_rows`; exclusions from `known_rows` (e.g. train and validation)."""
+    position = {item: i for i, item in enumerate(catalog)}
+    known: dict[str, set[int]] = {}
+    for rows in known_rows:
+        for user, item in zip(_str(rows[schema.USER_ID]), _str(rows[schema.ITEM_ID]), strict=True):
+            if item in position:
+                known.setdefault(user, set()).add(position[item])
+    users = _str(eval_rows[schema.USER_ID])
+    targets = np.array([position.get(i, -1) for i in _str(eval_rows[schema.ITEM_ID])], np.int64)
+    exclude = [
+        np.fromiter(known.get(u, set()) - {t}, dtype=np.int64)
+        for u, t in zip(users, targets, strict=True)
+    ]
+    return EvalSet(users, targets, exclude, len(catalog))
+
+
+def _str(values: np.ndarray) -> list[str]:
+    return [v.decode("utf-8") if isinstance(v, bytes) else str(v) for v in values]
+
+
+@dataclass
+class EvalResult:
+    """Summary metrics and the per-user values they average."""
+
+    metrics: dict[str, float]
+    per_user: dict[str, np.ndarray]
+
+    def write_per_user(self, path: Path, users: list[str]) -> None:
+        """Per-user values as Parquet (paired comparisons between models need them)."""
+        columns = {"user_id": pa.array(users, pa.string())}
+        columns.update({k: pa.array(v) for k, v in self.per_user.items()})
+        pq.write_table(pa.table(columns), path)
+
+
+def evaluate(score_fn: ScoreFn, data: EvalSet, config: EvaluationConfig) -> EvalResult:
+    """Rank every catalog item for every evaluation user and compute the metrics."""
+    n = len(data.users)
+    ranks = np.full(n, np.inf)
+    covered = np.zeros(data.num_items, dtype=bool)
+    top = min(config.coverage_k, data.num_items)
+    for start in range(0, n, config.user_batch_size):
+        rows = np.arange(start, min(start + config.user_batch_size, n))
+        scores = np.asarray(score_fn(rows), dtype=np.float32).copy()
+        for offset, row in enumerate(rows):
+            scores[offset, data.exclude[row]] = -np.inf
+        ranks[rows] = _target_ranks(scores, data.targets[rows])
+        if top:
+            best = np.argpartition(-scores, top - 1, axis=1)[:, :top]
+            valid = np.take_along_axis(scores, best, axis=1) > -np.inf
+            covered[best[valid]] = True
+    per_user = per_user_values(ranks, config)
+    metrics = {
+        name: float(values.mean()) if n else 0.0
+        for name, values in per_user.items()
+        if name != "rank"
+    }
+    metrics[f"coverage_at_{config.coverage_k}"] = float(covered.mean()) if data.num_items else 0.0
+    metrics["eval_users"] = float(n)
+    return EvalResult(metrics, per_user)
+
+
+def _target_ranks(scores: np.ndarray, targets: np.ndarray) -> np.ndarray:
+    """0-based rank of each target among the row's scores; inf when the target is unknown."""
+    ranks = np.full(len(targets), np.inf)
+    known = targets >= 0
+    if not known.any():
+        return ranks
+    rows = np.nonzero(known)[0]
+    target_scores = scores[rows, targets[rows]][:, None]
+    higher = (scores[rows] > target_scores).sum(axis=1)
+    earlier_ties = (
+        (scores[rows] == target_scores) & (np.arange(scores.shape[1]) < targets[rows][:, None])
+    ).sum(axis=1)
+    ranks[rows] = higher + earlier_ties
+    return ranks
+
+
+def per_user_values(ranks: np.ndarray, config: EvaluationConfig) -> dict[str, np.ndarray]:
+    """Recall@K for each K, NDCG@K and reciprocal rank@K per user, from 0-based ranks."""
+    values: dict[str, np.ndarray] = {}
+    for k in config.ks:
+        values[f"recall_at_{k}"] = (ranks < k).astype(np.float64)
+    hit = ranks < config.ndcg_k
+    values[f"ndcg_at_{config.ndcg_k}"] = np.where(hit, 1 / np.log2(np.where(hit, ranks, 0) + 2), 0)
+    hit = ranks < config.mrr_k
+    values[f"mrr_at_{config.mrr_k}"] = np.where(hit, 1 / (np.where(hit, ranks, 0) + 1), 0)
+    values["rank"] = np.where(np.isfinite(ranks), ranks, -1).astype(np.int64)
+    return values
+
+
+def dot_product_scores(user_vectors: np.ndarray, item_vectors: np.ndarray) -> ScoreFn:
+    """Two-tower scores: the rows' query vectors times every item vector."""
+    items_t = np.ascontiguousarray(item_vectors.T)
+    return lambda rows: user_vectors[rows] @ items_t
+
+
+def popularity_scores(item_counts: np.ndarray) -> ScoreFn:
+    """The popularity baseline: every user gets the training counts as scores."""
+    counts = item_counts.astype(np.float32)[None, :]
+    return lambda rows: np.repeat(counts, len(rows), axis=0)

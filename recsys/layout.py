@@ -1,0 +1,141 @@
+"""The one definition of the working-directory layout (see docs/ARCHITECTURE.md).
+
+```
+<workdir>/raw/                             generated input (embedded synthetic data)
+<workdir>/data/<date>/                     Beam output: {train,validation,test}-*.tfrecord.gz,
+                                           vocab/{users,items}.txt, item_features.parquet,
+                                           stats.json, rejected/*.jsonl, _SUCCESS (last)
+<workdir>/runs/<date>/<run_id>/            model/ (weights + model.json), metrics.json,
+                                           per_user_eval.parquet, history.json, _SUCCESS
+<workdir>/export/<name>/<version>/         TF Serving SavedModels: query/, retrieval/
+<workdir>/embeddings/<version>/            items.parquet, users.parquet
+<workdir>/mlflow/                          default local tracking store (SQLite + artifacts)
+```
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import os
+import re
+import shutil
+import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+from recsys.errors import ConfigError, StageNotReadyError
+
+SUCCESS = "_SUCCESS"
+_RUN_ID = re.compile(r"^[0-9]{8}T[0-9]{6}Z-[0-9a-f]{8}-[0-9a-f]{4}$")
+
+
+def parse_date(value: str | None) -> dt.date:
+    """The run date from YYYY-MM-DD; None means yesterday in UTC."""
+    if value is None:
+        return (dt.datetime.now(dt.UTC) - dt.timedelta(days=1)).date()
+    try:
+        return dt.date.fromisoformat(value)
+    except ValueError:
+        raise ConfigError(f"--date must be YYYY-MM-DD, got {value!r}") from None
+
+
+def end_of_day_utc(date: dt.date) -> int:
+    """The first second after `date` (UTC) as a Unix timestamp: data must be strictly before."""
+    nxt = dt.datetime.combine(date + dt.timedelta(days=1), dt.time(), tzinfo=dt.UTC)
+    return int(nxt.timestamp())
+
+
+@dataclass(frozen=True)
+class Workdir:
+    """Paths of every stage's inputs and outputs under one working directory."""
+
+    root: Path
+
+    def raw(self) -> Path:
+        return self.root / "raw"
+
+    def data(self, date: dt.date) -> Path:
+        return self.root / "data" / date.isoformat()
+
+    def runs(self, date: dt.date) -> Path:
+        return self.root / "runs" / date.isoformat()
+
+    def run(self, date: dt.date, run_id: str) -> Path:
+        if not _RUN_ID.match(run_id):
+            raise ConfigError(
+                f"not a run id: {run_id!r} (expected e.g. 20260101T000000Z-0a1b2c3d-9f8e)"
+            )
+        return self.runs(date) / run_id
+
+    def latest_run(self, date: dt.date) -> Path:
+        """The newest finished training run for a date."""
+        runs = sorted(p for p in self.runs(date).glob("*") if is_complete(p))
+        if not runs:
+            raise StageNotReadyError(
+                f"no finished training run under {self.runs(date)}: run `recsys train` first"
+            )
+        return runs[-1]
+
+    def export(self, name: str) -> Path:
+        return self.root / "export" / name
+
+    def embeddings(self, version: int) -> Path:
+        return self.root / "embeddings" / str(version)
+
+    def mlflow_store(self) -> Path:
+        return self.root / "mlflow"
+
+
+def new_run_id(config_digest: str) -> str:
+    """A sortable, unique run id: UTC start time, the config digest's prefix, a random tag."""
+    return f"{dt.datetime.now(dt.UTC):%Y%m%dT%H%M%SZ}-{config_digest[:8]}-{uuid.uuid4().hex[:4]}"
+
+
+def is_complete(stage_dir: Path) -> bool:
+    """A stage's output is complete only when its _SUCCESS marker exists."""
+    return (stage_dir / SUCCESS).is_file()
+
+
+def require_complete(stage_dir: Path, producer: str) -> Path:
+    """Return `stage_dir` or raise a StageNotReadyError naming the command that makes it."""
+    if not is_complete(stage_dir):
+        raise StageNotReadyError(
+            f"{stage_dir} is not complete (no {SUCCESS}): run `{producer}` first"
+        )
+    return stage_dir
+
+
+def mark_complete(stage_dir: Path) -> None:
+    """Write the _SUCCESS marker; always the last file a stage writes."""
+    (stage_dir / SUCCESS).write_text(dt.datetime.now(dt.UTC).isoformat() + "\n")
+
+
+@contextmanager
+def atomic_dir(target: Path) -> Iterator[Path]:
+    """Yield a temporary sibling folder, renamed onto `target` only if the block succeeds.
+
+    A reader never sees a half-written folder: either the old one (replaced whole) or the new.
+    """
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = target.parent / f".tmp-{target.name}-{uuid.uuid4().hex[:8]}"
+    tmp.mkdir()
+    try:
+        yield tmp
+        if target.exists():
+            trash = target.parent / f".old-{target.name}-{uuid.uuid4().hex[:8]}"
+            os.replace(target, trash)
+            os.replace(tmp, target)
+            shutil.rmtree(trash, ignore_errors=True)
+        else:
+            os.replace(tmp, target)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+
+
+def next_version(base: Path) -> int:
+    """The next integer version under a TF Serving model base (highest existing + 1)."""
+    versions = [int(p.name) for p in base.glob("*") if p.name.isdigit()] if base.exists() else []
+    return max(versions, default=0) + 1

@@ -1,0 +1,88 @@
+"""tf.data input: gzip TFRecords of the schema's examples -> batches of model indices."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pyarrow.parquet as pq
+import tensorflow as tf
+
+import recsys  # noqa: F401  (sets TF_USE_LEGACY_KERAS before TensorFlow is imported)
+from recsys import schema
+from recsys.errors import StageNotReadyError
+from recsys.model import ITEM_INDEX, ITEM_LOG_PROB, USER_INDEX, TrainedModel
+
+
+def split_files(data_dir: Path, split: str) -> list[str]:
+    """The sorted shard files of one split; an error naming the folder if there are none."""
+    files = sorted(str(p) for p in data_dir.glob(f"{split}-*.tfrecord.gz"))
+    if not files:
+        raise StageNotReadyError(f"no {split}-*.tfrecord.gz in {data_dir}: run `recsys preprocess`")
+    return files
+
+
+def read_examples(
+    files: list[str],
+    batch_size: int,
+    shuffle_buffer: int | None = None,
+    seed: int | None = None,
+) -> tf.data.Dataset:
+    """Batches of parsed examples (dict of name -> [batch] tensor).
+
+    Batching before `parse_example` parses a whole batch in one op, several times faster than
+    parsing example by example.
+    """
+    ds = tf.data.TFRecordDataset(files, compression_type="GZIP", num_parallel_reads=len(files))
+    if shuffle_buffer:
+        ds = ds.shuffle(shuffle_buffer, seed=seed, reshuffle_each_iteration=True)
+    ds = ds.batch(batch_size)
+    spec = schema.feature_spec()
+    return ds.map(lambda b: tf.io.parse_example(b, spec), num_parallel_calls=tf.data.AUTOTUNE)
+
+
+def item_log_probabilities(data_dir: Path, model: TrainedModel) -> np.ndarray:
+    """log Q(item) per item index from the training counts (logQ correction); OOV gets 1 count."""
+    table = pq.read_table(data_dir / "item_features.parquet", columns=["item_id", "train_count"])
+    counts = dict(zip(table["item_id"].to_pylist(), table["train_count"].to_pylist(), strict=True))
+    per_index = np.ones(model.config.oov_buckets + len(model.items), dtype=np.float64)
+    per_index[model.item_indices()] = [max(counts.get(i, 1), 1) for i in model.items]
+    return np.log(per_index / per_index.sum()).astype(np.float32)
+
+
+def training_dataset(
+    data_dir: Path,
+    split: str,
+    model: TrainedModel,
+    batch_size: int,
+    shuffle_buffer: int | None = None,
+    seed: int | None = None,
+) -> tf.data.Dataset:
+    """Model-ready batches {user_index, item_index, item_log_prob}; ids are looked up here.
+
+    Doing the string lookup in tf.data keeps the model itself numeric (see GOTCHAS: jit).
+    """
+    user_lookup, item_lookup = model.user_lookup(), model.item_lookup()
+    log_q = tf.constant(item_log_probabilities(data_dir, model))
+
+    def to_indices(batch: dict[str, tf.Tensor]) -> dict[str, tf.Tensor]:
+        items = item_lookup(batch[schema.ITEM_ID])
+        return {
+            USER_INDEX: user_lookup(batch[schema.USER_ID]),
+            ITEM_INDEX: items,
+            ITEM_LOG_PROB: tf.gather(log_q, items),
+        }
+
+    ds = read_examples(split_files(data_dir, split), batch_size, shuffle_buffer, seed)
+    return ds.map(to_indices, num_parallel_calls=tf.data.AUTOTUNE).prefetch(tf.data.AUTOTUNE)
+
+
+def load_split(data_dir: Path, split: str, batch_size: int = 65536) -> dict[str, np.ndarray]:
+    """A whole split as numpy arrays (evaluation reads targets and exclusions this way)."""
+    parts: dict[str, list[np.ndarray]] = {name: [] for name in schema.FEATURE_NAMES}
+    for batch in read_examples(split_files(data_dir, split), batch_size):
+        for name in parts:
+            parts[name].append(batch[name].numpy())
+    return {
+        name: np.concatenate(chunks) if chunks else np.array([]) for name, chunks in parts.items()
+    }

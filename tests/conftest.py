@@ -1,0 +1,57 @@
+"""Shared fixtures: small generated data and configs, so most tests need no external files."""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("TF_USE_LEGACY_KERAS", "1")
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+from pathlib import Path
+
+import pytest
+
+from recsys.config import RecsysConfig, parse_config
+from recsys.synthetic import write_csv
+
+REPO = Path(__file__).resolve().parent.parent
+ML100K = Path(os.environ.get("RECSYS_ML100K", REPO.parent / "shared" / "data" / "ml-100k"))
+
+SMALL = {
+    "model_name": "test-model",
+    "data": {
+        "source": "synthetic",
+        "synthetic": {
+            "num_users": 150,
+            "num_items": 80,
+            "mean_interactions_per_user": 12,
+            "days": 5,
+            "start_date": "2026-01-01",
+        },
+    },
+    "model": {"embedding_dim": 16},
+    "training": {"batch_size": 128, "epochs": 2, "shuffle_buffer": 1000},
+    "evaluation": {"ks": [10, 50]},
+    "export": {"top_k": 10},
+}
+SMALL_DATE = "2026-01-05"  # the last day of SMALL's synthetic log
+
+
+@pytest.fixture
+def small_config() -> RecsysConfig:
+    """A config whose whole pipeline runs in seconds."""
+    return parse_config(SMALL)
+
+
+@pytest.fixture
+def small_csv(tmp_path: Path, small_config: RecsysConfig) -> Path:
+    """SMALL's synthetic log as a CSV with header user_id,item_id,timestamp,weight."""
+    return write_csv(small_config.data.synthetic, tmp_path / "raw" / "interactions.csv")
+
+
+@pytest.fixture
+def ml100k() -> Path:
+    """The MovieLens 100K folder, or a skip naming where it was looked for."""
+    if not (ML100K / "u.data").is_file():
+        pytest.skip(f"MovieLens 100K not found at {ML100K} (set RECSYS_ML100K to its folder)")
+    return ML100K

@@ -1,0 +1,126 @@
+"""A real `mlflow server` for tests: SQLite store, local artifacts, one worker, own group."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+
+@dataclass(frozen=True)
+class MlflowServer:
+    """A running tracking server: its URI, where it stores things, and how long it took to start."""
+
+    uri: str
+    root: Path
+    artifacts: Path
+    log: Path
+    startup_s: float
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that was free a moment ago."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def mlflow_executable() -> str:
+    """The `mlflow` CLI of the running interpreter's environment (else the one on PATH)."""
+    sibling = Path(sys.executable).parent / "mlflow"
+    found = str(sibling) if sibling.is_file() else shutil.which("mlflow")
+    if found is None:
+        raise FileNotFoundError(f"no mlflow executable next to {sys.executable} or on PATH")
+    return found
+
+
+@contextmanager
+def mlflow_server(root: Path, *, timeout_s: float = 120.0) -> Iterator[MlflowServer]:
+    """Start `mlflow server` under `root`, wait until /health answers, stop its process group."""
+    root.mkdir(parents=True, exist_ok=True)
+    port = free_port()
+    artifacts = root / "artifacts"
+    log = root / "server.log"
+    command = [
+        mlflow_executable(), "server",
+        "--backend-store-uri", f"sqlite:///{root.resolve() / 'mlflow.db'}",
+        "--default-artifact-root", str(artifacts.resolve()),
+        "--host", "127.0.0.1", "--port", str(port), "--workers", "1",
+    ]  # fmt: skip
+    env = {**os.environ, **_SERVER_ENV}
+    env.pop("MLFLOW_TRACKING_URI", None)
+    started = time.monotonic()
+    with log.open("wb") as sink:
+        # Own session: uvicorn (and huey, if job execution were on) are children that a plain
+        # terminate() would orphan; killing the group stops them all.
+        proc = subprocess.Popen(
+            command, stdout=sink, stderr=subprocess.STDOUT, env=env, start_new_session=True
+        )
+    try:
+        uri = f"http://127.0.0.1:{port}"
+        _wait_healthy(proc, uri, log, timeout_s)
+        yield MlflowServer(uri, root, artifacts, log, time.monotonic() - started)
+    finally:
+        _stop_group(proc)
+
+
+# Job execution adds a job runner and huey consumers (~15 processes); tests need none of them.
+_SERVER_ENV = {"MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false", "MLFLOW_DISABLE_TELEMETRY": "true"}
+
+
+def _wait_healthy(proc: subprocess.Popen[bytes], uri: str, log: Path, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(
+                f"mlflow server exited with code {proc.returncode} before answering /health; "
+                f"its log ({log}):\n{_tail(log)}"
+            )
+        try:
+            with urllib.request.urlopen(f"{uri}/health", timeout=2) as response:
+                if response.status == 200:
+                    return
+        except (urllib.error.URLError, OSError):
+            pass  # not listening yet
+        time.sleep(0.2)
+    raise TimeoutError(
+        f"mlflow server at {uri} did not answer /health within {timeout_s:.0f} s; "
+        f"its log ({log}):\n{_tail(log)}"
+    )
+
+
+def _stop_group(proc: subprocess.Popen[bytes]) -> None:
+    # The server is its session's leader, so its pid is the process group id.
+    for sig, grace_s in ((signal.SIGTERM, 15.0), (signal.SIGKILL, 5.0)):
+        try:
+            os.killpg(proc.pid, sig)
+        except ProcessLookupError:
+            return
+        if _group_gone(proc, grace_s):
+            return
+
+
+def _group_gone(proc: subprocess.Popen[bytes], timeout_s: float) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        proc.poll()  # reap the leader: a zombie still counts as a member of the group
+        try:
+            os.killpg(proc.pid, 0)
+        except ProcessLookupError:
+            return True
+        time.sleep(0.1)
+    return False
+
+
+def _tail(log: Path, lines: int = 40) -> str:
+    return "\n".join(log.read_text(errors="replace").splitlines()[-lines:])

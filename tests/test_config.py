@@ -1,0 +1,58 @@
+"""Config validation: clear errors for unknown keys and bad values; stable digests."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from recsys.config import REPO_CONFIGS, load_config, parse_config
+from recsys.errors import ConfigError
+
+
+@pytest.mark.parametrize("path", sorted(REPO_CONFIGS.glob("*.yaml")), ids=lambda p: p.name)
+def test_shipped_configs_validate(path: Path) -> None:
+    assert load_config(path).model_name
+
+
+def test_unknown_key_is_named() -> None:
+    with pytest.raises(ConfigError, match=r"training\.epoch: unknown key"):
+        parse_config({"training": {"epoch": 3}})
+
+
+def test_bad_value_is_named() -> None:
+    with pytest.raises(ConfigError, match=r"model\.embedding_dim"):
+        parse_config({"model": {"embedding_dim": 0}})
+
+
+def test_path_required_for_file_sources() -> None:
+    with pytest.raises(ConfigError, match=r"data\.path is required"):
+        parse_config({"data": {"source": "csv"}})
+
+
+def test_model_name_cannot_escape_paths() -> None:
+    with pytest.raises(ConfigError, match="model_name"):
+        parse_config({"model_name": "../etc"})
+
+
+def test_missing_and_malformed_files(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="not found"):
+        load_config(tmp_path / "nope.yaml")
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("model: [unclosed")
+    with pytest.raises(ConfigError, match="not valid YAML"):
+        load_config(bad)
+
+
+def test_digest_and_flat_params() -> None:
+    a, b = parse_config({}), parse_config({"training": {"epochs": 3}})
+    assert a.digest() == parse_config({}).digest() != b.digest()
+    assert b.flat()["training.epochs"] == 3
+
+
+def test_input_override_picks_reader() -> None:
+    cfg = parse_config({})
+    assert cfg.with_input("x/events.parquet").data.source == "parquet"
+    assert cfg.with_input("x/events.csv").data.source == "csv"
+    ml = parse_config({"data": {"source": "movielens-100k", "path": "a/u.data"}})
+    assert ml.with_input("b/u.data").data.source == "movielens-100k"

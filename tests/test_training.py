@@ -1,0 +1,86 @@
+"""Trainer and model on small generated data preprocessed by the real Beam job."""
+
+from __future__ import annotations
+
+import datetime as dt
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from recsys import stages
+from recsys.config import RecsysConfig
+from recsys.layout import Workdir
+from recsys.model import TrainedModel
+from recsys.training.dataset import item_log_probabilities, load_split, training_dataset
+from tests.conftest import SMALL, SMALL_DATE
+
+DATE = dt.date.fromisoformat(SMALL_DATE)
+
+
+@pytest.fixture(scope="module")
+def prepared(tmp_path_factory: pytest.TempPathFactory) -> tuple[RecsysConfig, Workdir, Path]:
+    """SMALL's synthetic log, preprocessed once for the module."""
+    from recsys.config import parse_config
+
+    config = parse_config(SMALL)
+    workdir = Workdir(tmp_path_factory.mktemp("work"))
+    data_dir, _ = stages.preprocess(config, workdir, DATE)
+    return config, workdir, data_dir
+
+
+def test_dataset_batches_are_model_indices(prepared: tuple[RecsysConfig, Workdir, Path]) -> None:
+    config, _, data_dir = prepared
+    model = TrainedModel.build(
+        (data_dir / "vocab/users.txt").read_text().split(),
+        (data_dir / "vocab/items.txt").read_text().split(),
+        config.model,
+    )
+    batch = next(iter(training_dataset(data_dir, "train", model, 64)))
+    oov = config.model.oov_buckets
+    assert batch["user_index"].shape == (64,)
+    # Every training id is in the vocabulary: no OOV index appears in the train split.
+    assert int(batch["user_index"].numpy().min()) >= oov
+    assert int(batch["item_index"].numpy().min()) >= oov
+    log_q = item_log_probabilities(data_dir, model)
+    assert np.exp(log_q).sum() == pytest.approx(1.0, rel=1e-5)
+    # The most frequent item (first in the vocabulary) has the highest sampling probability.
+    assert int(np.argmax(log_q)) == oov
+
+
+def test_training_lowers_loss_and_round_trips(
+    prepared: tuple[RecsysConfig, Workdir, Path], tmp_path: Path
+) -> None:
+    config, workdir, _ = prepared
+    config = config.model_copy(
+        update={"training": config.training.model_copy(update={"epochs": 4})}
+    )
+    run_dir, result = stages.train(config, workdir, DATE)
+    loss = result.history["loss"]
+    assert len(loss) == 4 and all(np.isfinite(loss))
+    assert loss[-1] < loss[0]
+    assert "val_loss" in result.history
+    reloaded = TrainedModel.load(run_dir / "model")
+    np.testing.assert_allclose(reloaded.item_embeddings(), result.model.item_embeddings())
+    vectors = reloaded.user_embeddings(["u1", "never-seen-user"])
+    np.testing.assert_allclose(np.linalg.norm(vectors, axis=1), 1.0, rtol=1e-5)
+
+
+def test_evaluate_writes_metrics_and_per_user_values(
+    prepared: tuple[RecsysConfig, Workdir, Path],
+) -> None:
+    config, workdir, data_dir = prepared
+    stages.train(config, workdir, DATE)
+    run_dir, report = stages.evaluate(config, workdir, DATE)
+    test_rows = len(load_split(data_dir, "test")["user_id"])
+    assert report["model"]["eval_users"] == test_rows > 0
+    for name in ("recall_at_10", "recall_at_50", "ndcg_at_10", "mrr_at_100", "coverage_at_10"):
+        assert 0.0 <= report["model"][name] <= 1.0
+        assert name in report["baselines"]["popularity"]
+    import pyarrow.parquet as pq
+
+    per_user = pq.read_table(run_dir / "per_user_eval.parquet")
+    assert per_user.num_rows == test_rows
+    assert np.mean(per_user["recall_at_10"].to_numpy()) == pytest.approx(
+        report["model"]["recall_at_10"]
+    )
