@@ -17,16 +17,17 @@ USER_ID = "user_id"
 ITEM_ID = "item_id"
 TIMESTAMP = "timestamp"
 WEIGHT = "weight"
+HISTORY = "history"
 
 SPLITS = ("train", "validation", "test")
 """Leave-last-out: a user's last interaction is `test`, the one before it `validation`."""
 
-Kind = Literal["bytes", "int64", "float"]
+Kind = Literal["bytes", "int64", "float", "bytes_list"]
 
 
 @dataclass(frozen=True)
 class Feature:
-    """One scalar feature of an interaction example."""
+    """One feature of an interaction example (a scalar, or a variable-length list)."""
 
     name: str
     kind: Kind
@@ -40,16 +41,30 @@ FEATURES: tuple[Feature, ...] = (
     Feature(ITEM_ID, "bytes", b"", "candidate", "item id as in the raw log"),
     Feature(TIMESTAMP, "int64", 0, "none", "event time, seconds since the Unix epoch (UTC)"),
     Feature(WEIGHT, "float", 1.0, "none", "interaction strength (rating or 1.0)"),
+    Feature(
+        HISTORY,
+        "bytes_list",
+        (),
+        "query",
+        "the user's previous item ids strictly before this interaction, oldest first, at most "
+        "preprocess.history_length (empty when the writer does not produce it)",
+    ),
 )
 FEATURE_NAMES = tuple(f.name for f in FEATURES)
 
 
-def feature_spec() -> dict[str, tf.io.FixedLenFeature]:
-    """The tf.io.parse_example spec for one interaction example."""
+def feature_spec() -> dict[str, tf.io.FixedLenFeature | tf.io.RaggedFeature]:
+    """The tf.io.parse_example spec: scalars as [batch] tensors, lists as ragged [batch, None]."""
     import tensorflow as tf
 
     dtypes = {"bytes": tf.string, "int64": tf.int64, "float": tf.float32}
-    return {f.name: tf.io.FixedLenFeature([], dtypes[f.kind], f.default) for f in FEATURES}
+    spec: dict[str, tf.io.FixedLenFeature | tf.io.RaggedFeature] = {}
+    for f in FEATURES:
+        if f.kind == "bytes_list":
+            spec[f.name] = tf.io.RaggedFeature(tf.string)
+        else:
+            spec[f.name] = tf.io.FixedLenFeature([], dtypes[f.kind], f.default)
+    return spec
 
 
 def encode_example(record: dict[str, Any]) -> bytes:
@@ -59,6 +74,11 @@ def encode_example(record: dict[str, Any]) -> bytes:
     example = example_pb2.Example()
     fmap = example.features.feature
     for f in FEATURES:
+        if f.kind == "bytes_list":
+            fmap[f.name].bytes_list.value.extend(
+                v.encode("utf-8") if isinstance(v, str) else v for v in record.get(f.name, ())
+            )
+            continue
         value = record[f.name]
         if f.kind == "bytes":
             fmap[f.name].bytes_list.value.append(
@@ -79,7 +99,9 @@ def decode_example(data: bytes) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for f in FEATURES:
         feat = example.features.feature[f.name]
-        if f.kind == "bytes":
+        if f.kind == "bytes_list":
+            out[f.name] = [v.decode("utf-8") for v in feat.bytes_list.value]
+        elif f.kind == "bytes":
             out[f.name] = feat.bytes_list.value[0].decode("utf-8")
         elif f.kind == "int64":
             out[f.name] = int(feat.int64_list.value[0])

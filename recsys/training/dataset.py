@@ -82,7 +82,17 @@ def load_split(data_dir: Path, split: str, batch_size: int = 65536) -> dict[str,
     parts: dict[str, list[np.ndarray]] = {name: [] for name in schema.FEATURE_NAMES}
     for batch in read_examples(split_files(data_dir, split), batch_size):
         for name in parts:
-            parts[name].append(batch[name].numpy())
+            parts[name].append(_to_numpy(batch[name]))
     return {
         name: np.concatenate(chunks) if chunks else np.array([]) for name, chunks in parts.items()
     }
+
+
+def _to_numpy(value: tf.Tensor | tf.RaggedTensor) -> np.ndarray:
+    """A dense batch as is; a ragged one as a 1-D object array of per-example lists."""
+    if not isinstance(value, tf.RaggedTensor):
+        return value.numpy()
+    rows = value.to_list()
+    out = np.empty(len(rows), dtype=object)
+    out[:] = rows
+    return out
