@@ -34,8 +34,11 @@ def pip_installs(text: str) -> list[list[str]]:
 
 
 def as_regular_install(args: list[str]) -> list[str]:
-    """Make's `-c constraints.txt -e .[dev]` as the image runs it: not editable, no extras."""
-    return [re.sub(r"^\.\[.*\]$", ".", arg) for arg in args if arg != "-e"]
+    """Make's `-c constraints.txt -e .[dev]` as the image runs it: not editable, no extras.
+
+    Verbosity (`-q`) is the Makefile's own business and does not change what gets installed.
+    """
+    return [re.sub(r"^\.\[.*\]$", ".", arg) for arg in args if arg not in {"-e", "-q"}]
 
 
 def test_hadolint_has_no_findings() -> None:
