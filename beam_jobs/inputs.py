@@ -1,12 +1,23 @@
 """Resolve the `input_path` argument into the sorted list of files the job reads."""
 
+import datetime as dt
 import glob
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
 from recsys.errors import DataError
 
 MOVIELENS_RATINGS = "u.data"
+# The ratings file a MovieLens preset reads from its folder (the other files are side files).
+PRESET_RATINGS = {
+    "movielens-100k": MOVIELENS_RATINGS,
+    "movielens-1m": "ratings.dat",
+    "movielens-10m": "ratings.dat",
+    "movielens-latest": "ratings.csv",
+}
+# Hive-style day partitions: events/date=2026-01-05/part-0.parquet.
+_PARTITION = re.compile(r"^date=(\d{4}-\d{2}-\d{2})$")
 _GLOB_CHARS = frozenset("*?[")
 
 
@@ -18,11 +29,17 @@ class InputFile:
     bytes: int
 
 
-def list_input_files(input_path: str | Path, source: str) -> list[InputFile]:
-    """The files behind a file, a directory (its files, sorted) or a glob; DataError if none."""
+def list_input_files(
+    input_path: str | Path, source: str, run_date: dt.date | None = None
+) -> list[InputFile]:
+    """The files behind a file, a directory (its files, sorted) or a glob; DataError if none.
+
+    A directory's `date=YYYY-MM-DD` sub-folders are day partitions: those up to and including
+    `run_date` (all of them without one) are read, so each night adds one day.
+    """
     path = Path(input_path).expanduser()
     if path.is_dir():
-        candidates = _directory_files(path, source)
+        candidates = _directory_files(path, source, run_date)
     elif path.is_file():
         candidates = [path]
     elif _GLOB_CHARS & set(str(input_path)):
@@ -35,14 +52,36 @@ def list_input_files(input_path: str | Path, source: str) -> list[InputFile]:
     return files
 
 
-def _directory_files(path: Path, source: str) -> list[Path]:
-    # MovieLens folders hold u.item, u.user, ... next to the ratings: read only u.data.
-    if source == "movielens-100k":
-        ratings = path / MOVIELENS_RATINGS
+def _directory_files(path: Path, source: str, run_date: dt.date | None) -> list[Path]:
+    # MovieLens folders hold u.item, movies.dat, ... next to the ratings: read only those.
+    if source in PRESET_RATINGS:
+        ratings = path / PRESET_RATINGS[source]
         if not ratings.is_file():
-            raise DataError(f"{path} has no {MOVIELENS_RATINGS}: is it the MovieLens 100K folder?")
+            raise DataError(
+                f"{path} has no {ratings.name}: is it the {source} folder? (data.source '{source}')"
+            )
         return [ratings]
-    return [p for p in path.iterdir() if not _is_hidden(p)]
+    files: list[Path] = []
+    for p in path.iterdir():
+        if _is_hidden(p):
+            continue
+        match = _PARTITION.match(p.name)
+        if match and p.is_dir():
+            day = _partition_day(p, match.group(1))
+            if run_date is None or day <= run_date:
+                files.extend(q for q in p.iterdir() if q.is_file() and not _is_hidden(q))
+        else:
+            files.append(p)
+    return files
+
+
+def _partition_day(path: Path, text: str) -> dt.date:
+    try:
+        return dt.date.fromisoformat(text)
+    except ValueError:
+        raise DataError(
+            f"day partition {path} is not a valid date (expected date=YYYY-MM-DD)"
+        ) from None
 
 
 def _is_hidden(path: Path) -> bool:

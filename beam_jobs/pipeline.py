@@ -1,8 +1,10 @@
 """The preprocessing pipeline: raw interaction log -> validated, split TFRecords + vocab + stats.
 
-    files -> ReadRawRows -> ValidateInteractions -> SplitPerUser -> WriteExamples (x3)
-                 |                  |                    |      \\-> BuildVocabularies
-                 +------------------+--------------------+-> WriteRejected
+    files -> ReadAndValidate [-> KnownItemsOnly] -> SplitAndWrite (shards)
+                 |                  |                       |               |  (train counts)
+                 |                  |                       |               \\-> BuildVocabularies
+                 +------------------+-----------------------+---------------+-> WriteRejected
+    item file -> ReadItems ------------------^ (unknown items)   and  --> item_features.parquet
     all of the above -> CountRows -> WriteStats
 
 `run_preprocess` runs it into a temporary sibling of the output folder, checks the counts and
@@ -20,16 +22,22 @@ from apache_beam.options.pipeline_options import PipelineOptions, StandardOption
 from apache_beam.runners.portability.fn_api_runner import FnApiRunner
 
 from beam_jobs.inputs import InputFile, list_input_files
-from beam_jobs.readers import ReadRawRows, read_spec
-from beam_jobs.sinks import REJECTED_DIR, WriteExamples, WriteRejected
-from beam_jobs.split import SplitPerUser
-from beam_jobs.stats import STATS_FILE, CountRows, MinMax, WriteStats, check_reconciled
-from beam_jobs.validation import ValidateInteractions
+from beam_jobs.items import KnownItemsOnly, ReadItems, item_source
+from beam_jobs.readers import ReadAndValidate, read_spec
+from beam_jobs.sinks import REJECTED_DIR, WriteRejected
+from beam_jobs.split import SplitAndWrite, SplitSettings
+from beam_jobs.stats import (
+    STATS_FILE,
+    CountRows,
+    MinMax,
+    WriteStats,
+    add_drift,
+    check_reconciled,
+)
 from beam_jobs.vocab import BuildVocabularies
 from recsys.config import RecsysConfig
 from recsys.errors import DataError
 from recsys.layout import atomic_dir, end_of_day_utc, mark_complete
-from recsys.schema import SPLITS
 
 log = logging.getLogger(__name__)
 
@@ -45,37 +53,57 @@ def build_pipeline(
 ) -> None:
     """Add the whole preprocessing graph, writing into `out_dir`, to pipeline `p`."""
     out = str(out_dir)
+    pp = config.preprocess
+    cutoff = end_of_day_utc(run_date)
     read = (
         p
         | "InputFiles" >> beam.Create([f.path for f in files])
-        | "Read" >> ReadRawRows(read_spec(config.data))
+        | "Read" >> ReadAndValidate(read_spec(config.data), cutoff, config.data.timestamp_unit)
     )
-    valid = read.rows | "Validate" >> ValidateInteractions(
-        end_of_day_utc(run_date), config.data.timestamp_unit
-    )
-    split = valid.events | "SplitPerUser" >> SplitPerUser(config.preprocess.min_user_interactions)
-    rejected = (read.rejected, valid.rejected, split.rejected) | "AllRejected" >> beam.Flatten()
-
-    for name in SPLITS:
-        _ = split[name] | f"Write{name.title()}" >> WriteExamples(
-            f"{out}/{name}", config.preprocess.num_shards
+    events = read.events
+    rejected_parts = [read.rejected]
+    side = item_source(config.data, [f.path for f in files])
+    item_features = None
+    if side is not None:
+        item_features = p | "ReadItems" >> ReadItems(side)
+        known = events | "KnownItems" >> KnownItemsOnly(item_features)
+        events = known.events
+        rejected_parts.append(known.rejected)
+    item_counts = None
+    if pp.min_item_count:
+        # Distinct (user, time, item) first: duplicates must not lift an item over the minimum.
+        item_counts = (
+            events
+            | "EventKeys" >> beam.Map(lambda e: (e[0], e[1][0], e[1][1]))
+            | "Distinct" >> beam.Distinct()
+            | "EventItem" >> beam.Map(lambda key: key[2])
+            | "CountPerItem" >> beam.combiners.Count.PerElement()
         )
+    settings = SplitSettings(
+        min_interactions=pp.min_user_interactions,
+        history_length=pp.history_length,
+        protocol=pp.split,
+        cutoff=cutoff,
+        eval_days=pp.eval_days,
+        min_user_count=pp.min_user_count,
+        min_item_count=pp.min_item_count,
+    )
+    split = events | "SplitAndWrite" >> SplitAndWrite(settings, out, pp.num_shards, item_counts)
+    rejected_parts.append(split.rejected)
+    rejected = rejected_parts | "AllRejected" >> beam.Flatten()
     _ = rejected | "WriteRejected" >> WriteRejected(out)
-    users, items = split.train | "Vocabularies" >> BuildVocabularies(out)
+    users, items = (split.users, split.items) | "Vocabularies" >> BuildVocabularies(
+        out, pp.vocab_min_count, item_features
+    )
 
     counts = {
-        "read_rows": read.rows,
-        "read_rejected": read.rejected,
+        "read_tally": read.tally,
         "rejected": rejected,
-        **{name: split[name] for name in SPLITS},
+        "split_counts": split.counts,
     } | "CountRows" >> CountRows()
-    # Duplicates share their timestamp with the row kept, so the range over validated events
-    # equals the range over accepted ones, without waiting for the split.
-    time_range = (
-        valid.events
-        | "Timestamps" >> beam.Map(lambda event: event[1][0])
-        | "TimeRange" >> beam.CombineGlobally(MinMax())
-    )
+    # Per file (min, max) of validated timestamps. Duplicates share their timestamp with the
+    # row kept, so this is the range of accepted rows unless items/users were dropped as rare.
+    time_range = read.time_range | "TimeRange" >> beam.CombineGlobally(MinMax())
     parts = {"counts": counts, "time_range": time_range, "users": users, "items": items}
     _ = parts | "WriteStats" >> WriteStats(out, run_date, files)
 
@@ -102,7 +130,7 @@ def run_preprocess(
     beam_args: list[str] | None = None,
 ) -> dict[str, Any]:
     """Run the Beam job; publish output_dir atomically with _SUCCESS last; return the stats dict."""
-    files = list_input_files(input_path, config.data.source)
+    files = list_input_files(input_path, config.data.source, run_date)
     options, runner = pipeline_options([*config.preprocess.beam_args, *(beam_args or [])])
     _quiet_beam_logging()
     output_dir = Path(output_dir)
@@ -112,6 +140,7 @@ def run_preprocess(
             build_pipeline(p, config, files, tmp, run_date)
         stats = json.loads((tmp / STATS_FILE).read_text(encoding="utf-8"))
         check_reconciled(stats)
+        stats = add_drift(stats, tmp, output_dir)
         failure = quality_failure(stats, config.preprocess.max_rejected_fraction, output_dir)
         if failure is None:
             mark_complete(tmp)

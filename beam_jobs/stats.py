@@ -8,20 +8,41 @@ check that no row was lost or doubled, not an identity.
 import datetime as dt
 import hashlib
 import json
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
 import apache_beam as beam
+import numpy as np
+import pyarrow.parquet as pq
 from apache_beam.typehints import no_annotations
 
+from beam_jobs import records as r
 from beam_jobs.inputs import InputFile
+from beam_jobs.vocab import ITEM_FEATURES_FILE, ITEMS_FILE, VOCAB_DIR
 from recsys.schema import SPLITS
 
 STATS_FILE = "stats.json"
 INPUT_ROWS = "input_rows"
 SPLIT_KEY = "split:"
 REJECTED_KEY = "rejected:"
+
+
+# The stage that rejects each reason: rows surviving each stage are reported in stats.stages.
+READ_REASONS = frozenset(
+    {
+        r.MISSING_COLUMN,
+        r.WRONG_COLUMN_COUNT,
+        r.MALFORMED_ROW,
+        r.UNDECODABLE,
+        r.UNREADABLE_FILE,
+        r.EXCLUDED_EVENT_TYPE,
+    }
+)
+VALIDATION_REASONS = frozenset(
+    {r.MISSING_FIELD, r.BAD_ID, r.BAD_TIMESTAMP, r.BAD_WEIGHT, r.AFTER_RUN_DATE, r.UNKNOWN_ITEM}
+)
+TOP_SHARE = 0.01  # popularity concentration: share of train interactions of the top 1% of items
 
 
 class ReconciliationError(RuntimeError):
@@ -32,17 +53,13 @@ TimeRange = tuple[int | None, int | None]
 
 
 class MinMax(beam.CombineFn):
-    """(min, max) of integers; (None, None) for no input."""
+    """Overall (min, max) of (min, max) pairs, whose parts may be None; (None, None) for none."""
 
     def create_accumulator(self) -> TimeRange:
         return None, None
 
-    def add_input(self, acc: TimeRange, value: int) -> TimeRange:
-        low, high = acc
-        return (
-            value if low is None else min(low, value),
-            value if high is None else max(high, value),
-        )
+    def add_input(self, acc: TimeRange, value: TimeRange) -> TimeRange:
+        return self.merge_accumulators([acc, value])
 
     def merge_accumulators(self, accs: Iterable[TimeRange]) -> TimeRange:
         accs = list(accs)  # Beam may pass a one-shot iterator, and it is read twice
@@ -54,32 +71,22 @@ class MinMax(beam.CombineFn):
         return acc
 
 
-def _constant(key: str) -> Callable[[Any], str]:
-    return lambda _: key
-
-
 def _reason_key(record: dict[str, Any]) -> str:
     return REJECTED_KEY + record["reason"]
 
 
 class CountRows(beam.PTransform):
-    """Tally rows entering (readers' output) and leaving (splits, rejected) into one dict."""
+    """Tally rows entering (readers' per-file tallies) and leaving (split counts, rejected)."""
 
     @no_annotations  # Beam only understands PCollection-typed expand hints
     def expand(self, pcolls: dict[str, beam.PCollection]) -> beam.PCollection:
-        keyed = [
-            pcolls["read_rows"] | "InputRows" >> beam.Map(_constant(INPUT_ROWS)),
-            pcolls["read_rejected"] | "InputRejected" >> beam.Map(_constant(INPUT_ROWS)),
-            pcolls["rejected"] | "RejectedReasons" >> beam.Map(_reason_key),
-        ]
-        keyed += [
-            pcolls[split] | f"Split{split.title()}" >> beam.Map(_constant(SPLIT_KEY + split))
-            for split in SPLITS
-        ]
+        reasons = pcolls["rejected"] | "RejectedReasons" >> beam.Map(_reason_key)
+        counted = reasons | "CountReasons" >> beam.combiners.Count.PerElement()
+        # Input rows are tallied per file by the reader, split rows per shard by the writer.
         return (
-            keyed
-            | "AllKeys" >> beam.Flatten()
-            | "CountKeys" >> beam.combiners.Count.PerElement()
+            (counted, pcolls["read_tally"], pcolls["split_counts"])
+            | "AllTallies" >> beam.Flatten()
+            | "SumPerKey" >> beam.CombinePerKey(sum)
             | "ToDict" >> beam.combiners.ToDict()
         )
 
@@ -101,6 +108,8 @@ def assemble_stats(
     }
     input_rows = counts.get(INPUT_ROWS, 0)
     rejected = sum(by_reason.values())
+    after_read = input_rows - sum(n for k, n in by_reason.items() if k in READ_REASONS)
+    after_validation = after_read - sum(n for k, n in by_reason.items() if k in VALIDATION_REASONS)
     stats: dict[str, Any] = {
         "run_date": run_date.isoformat(),
         "input_rows": input_rows,
@@ -108,6 +117,12 @@ def assemble_stats(
         "rejected": rejected,
         "rejected_fraction": rejected / input_rows if input_rows else 0.0,
         "rejected_by_reason": by_reason,
+        "stages": {
+            "read": input_rows,
+            "parsed": after_read,
+            "validated": after_validation,
+            "accepted": sum(splits.values()),
+        },
         "splits": splits,
         "users": users,
         "items": items,
@@ -173,3 +188,66 @@ class WriteStats(beam.PTransform):
                 files=self._files,
             )
         )
+
+
+def popularity(counts: np.ndarray) -> dict[str, float]:
+    """Gini coefficient of item train counts and the top 1% of items' share of interactions."""
+    counts = np.sort(np.asarray(counts, dtype=np.float64))
+    total = counts.sum()
+    if len(counts) == 0 or total == 0:
+        return {"gini": 0.0, "top_1pct_share": 0.0}
+    n = len(counts)
+    # Gini from the sorted values: 1 - 2 * (area under the Lorenz curve).
+    gini = float((2 * np.arange(1, n + 1) - n - 1) @ counts / (n * total))
+    top = max(1, int(np.ceil(n * TOP_SHARE)))
+    return {"gini": round(gini, 6), "top_1pct_share": round(float(counts[-top:].sum() / total), 6)}
+
+
+def previous_run(output_dir: Path, run_date: str) -> Path | None:
+    """The latest sibling data folder of an earlier date with a stats.json, or None."""
+    earlier = []
+    for sibling in output_dir.parent.glob("*"):
+        try:
+            day = dt.date.fromisoformat(sibling.name)
+        except ValueError:
+            continue
+        if day.isoformat() < run_date and (sibling / STATS_FILE).is_file():
+            earlier.append(sibling)
+    return max(earlier, default=None)
+
+
+def _ratio(now: float, before: float) -> float | None:
+    return round(now / before - 1, 6) if before else None
+
+
+def add_drift(stats: dict[str, Any], out_dir: Path, output_dir: Path) -> dict[str, Any]:
+    """Add popularity figures and drift against the previous run's stats; rewrite stats.json."""
+    features = out_dir / ITEM_FEATURES_FILE
+    counts = pq.read_table(features, columns=["train_count"])["train_count"].to_numpy()
+    stats["popularity"] = popularity(counts)
+    stats["drift"] = None
+    before_dir = previous_run(Path(output_dir), stats["run_date"])
+    if before_dir is not None:
+        before = json.loads((before_dir / STATS_FILE).read_text(encoding="utf-8"))
+        items_now = _vocab(out_dir)
+        items_before = _vocab(before_dir)
+        new_items = len(items_now - items_before) / len(items_now) if items_now else 0.0
+        stats["drift"] = {
+            "previous_run_date": before.get("run_date"),
+            "users_change": _ratio(stats["users"], before.get("users", 0)),
+            "items_change": _ratio(stats["items"], before.get("items", 0)),
+            "interactions_change": _ratio(stats["accepted"], before.get("accepted", 0)),
+            "new_items_share": round(new_items, 6),
+            "gini_change": round(
+                stats["popularity"]["gini"] - before.get("popularity", {}).get("gini", 0.0), 6
+            )
+            if "popularity" in before
+            else None,
+        }
+    (out_dir / STATS_FILE).write_text(json.dumps(stats, indent=2) + "\n", encoding="utf-8")
+    return stats
+
+
+def _vocab(data_dir: Path) -> set[str]:
+    path = data_dir / VOCAB_DIR / ITEMS_FILE
+    return set(path.read_text(encoding="utf-8").split("\n")) - {""} if path.is_file() else set()

@@ -2,11 +2,7 @@
 
 import datetime as dt
 import math
-from collections.abc import Iterator
 from typing import Any
-
-import apache_beam as beam
-from apache_beam.typehints import no_annotations
 
 from beam_jobs.records import (
     AFTER_RUN_DATE,
@@ -21,7 +17,6 @@ from beam_jobs.records import (
 )
 from recsys.schema import ITEM_ID, TIMESTAMP, USER_ID, WEIGHT
 
-REJECTED = "rejected"
 DEFAULT_WEIGHT = 1.0
 MS_PER_SECOND = 1000
 
@@ -139,28 +134,3 @@ def validate(row: RawRow, cutoff: int, unit_divisor: int = 1) -> Event | Rejecti
     if seconds >= cutoff:
         return rejection(file, line, TIMESTAMP, AFTER_RUN_DATE, raw)
     return user_id, (seconds, item_id, file, line, strength, raw)
-
-
-class _Validate(beam.DoFn):
-    def __init__(self, cutoff: int, unit_divisor: int) -> None:
-        self._cutoff = cutoff
-        self._divisor = unit_divisor
-
-    def process(self, row: RawRow) -> Iterator[Any]:
-        result = validate(row, self._cutoff, self._divisor)
-        yield beam.pvalue.TaggedOutput(REJECTED, result) if isinstance(result, dict) else result
-
-
-class ValidateInteractions(beam.PTransform):
-    """Raw rows -> (events keyed by user, rejected); rows at or after `cutoff` are rejected."""
-
-    def __init__(self, cutoff: int, timestamp_unit: str = "s") -> None:
-        super().__init__()
-        self._cutoff = cutoff
-        self._divisor = MS_PER_SECOND if timestamp_unit == "ms" else 1
-
-    @no_annotations  # Beam only understands PCollection-typed expand hints
-    def expand(self, rows: beam.PCollection) -> beam.pvalue.DoOutputsTuple:
-        return rows | "Validate" >> beam.ParDo(_Validate(self._cutoff, self._divisor)).with_outputs(
-            REJECTED, main="events"
-        )

@@ -206,10 +206,8 @@ def run_ours(config: RecsysConfig, workdir: Workdir, data_dir: Path) -> dict[str
     run_dir, result = stages.train(config, workdir, DATE, data_dir)
     _, report = stages.evaluate(config, workdir, DATE, run_dir.name)
     history = json.loads((run_dir / "history.json").read_text())
-    epochs = config.training.epochs
-    per_epoch = result.seconds / epochs  # includes epoch 1's tracing: a conservative figure
     return {
-        "examples_per_second": round(result.examples / epochs / per_epoch),
+        "examples_per_second": round(result.steady_examples_per_second),
         "seconds": round(result.seconds, 1),
         "final_loss": round(history["loss"][-1], 4),
         "test": {k: round(report["model"][k], 4) for k in REPORTED},

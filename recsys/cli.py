@@ -45,7 +45,34 @@ def _parser() -> argparse.ArgumentParser:
         default=None,
         help="reload the exports in a fresh process and compare (default: config)",
     )
-    sub.add_parser("nightly", parents=[common], help="all stages for one date, tracked in MLflow")
+    night = sub.add_parser(
+        "nightly", parents=[common], help="all stages for one date, tracked in MLflow"
+    )
+    night.add_argument(
+        "--force-promote",
+        action="store_true",
+        help="make this run champion even if the gate says keep (recorded as forced)",
+    )
+    syn = sub.add_parser(
+        "sync", parents=[common], help="log the date's runs left pending while MLflow was down"
+    )
+    syn.add_argument("--tracking-uri", help="tracking server to log to (default: the run's)")
+    cmp = sub.add_parser(
+        "compare", parents=[common], help="offline A/B: runs side by side with bootstrap CIs"
+    )
+    cmp.add_argument(
+        "refs", nargs="+", metavar="RUN", help="run id, champion, challenger, vN or YYYY-MM-DD"
+    )
+    cmp.add_argument("--output", help="report folder (default: <workdir>/comparisons/<time>)")
+    cmp.add_argument("--no-log", action="store_true", help="do not log the report to MLflow")
+    ab = sub.add_parser("ab", help="online A/B test results")
+    ab_sub = ab.add_subparsers(dest="ab_command", required=True)
+    rec = ab_sub.add_parser("record", parents=[common], help="log an observed online metric")
+    rec.add_argument("--experiment", required=True, help="A/B experiment name")
+    rec.add_argument("--variant", required=True, choices=["A", "B"])
+    rec.add_argument("--metric", required=True, help="e.g. ctr, watch_time")
+    rec.add_argument("--value", required=True, type=float)
+    rec.add_argument("--run-id", help="MLflow run id of the model behind this variant")
     return parser
 
 
@@ -97,13 +124,71 @@ def _dispatch(args: argparse.Namespace) -> int:
         exported = stages.export(config, workdir, date, args.run_id, args.verify)
         _print_export(exported)
     elif args.command == "nightly":
-        result = stages.nightly(config, workdir, date, args.input)
+        result = stages.nightly(config, workdir, date, args.input, args.force_promote)
         _print_stats(result.data_dir, _read_stats(result.data_dir))
         print(f"run:         {result.run_dir}")
         _print_export(result.export)
         print(f"mlflow run:  {result.mlflow_run_id}")
         _print_metrics(result.metrics)
+        _print_published(result.published)
+    elif args.command == "sync":
+        published = stages.sync(config, workdir, date, args.tracking_uri)
+        if not published:
+            print(f"nothing to sync for {date}: no run folder has a pending marker")
+        for item in published:
+            print(f"mlflow run:  {item.mlflow_run_id}")
+            _print_published(item)
+    elif args.command == "compare":
+        _compare(args, config, workdir)
+    elif args.command == "ab":
+        from recsys.tracking import record_ab_metric
+
+        run_id = record_ab_metric(
+            config,
+            workdir.root,
+            experiment=args.experiment,
+            variant=args.variant,
+            metric=args.metric,
+            value=args.value,
+            date=date if args.date else None,
+            model_run_id=args.run_id,
+        )
+        print(f"recorded {args.metric}={args.value} for variant {args.variant} (run {run_id})")
+    # Both gate outcomes (promote, keep) are successful runs: exit code 0.
     return 0
+
+
+def _compare(args: argparse.Namespace, config: Any, workdir: Any) -> None:
+    import datetime as dt
+
+    from recsys.compare import compare, format_table
+
+    stamp = f"{dt.datetime.now(dt.UTC):%Y%m%dT%H%M%SZ}"
+    output = Path(args.output) if args.output else workdir.root / "comparisons" / stamp
+    result = compare(config, workdir.root, args.refs, output, log_to_mlflow=not args.no_log)
+    print(format_table(result))
+    for kind, path in result.files.items():
+        print(f"{kind + ':':<10}{path}")
+    for note in result.notes:
+        print(f"note:     {note}")
+    if result.mlflow_run_id:
+        print(f"mlflow run (comparisons experiment): {result.mlflow_run_id}")
+
+
+def _print_published(published: Any) -> None:
+    if published is None:
+        return
+    decision = published.decision
+    print(f"registered:  version {published.version} (champion now: {published.champion_version})")
+    print(decision.summary())
+    for check in ([decision.primary] if decision.primary else []) + decision.guardrails:
+        ci = (
+            f" CI [{check.ci_low:+.4f}, {check.ci_high:+.4f}]"
+            if check.ci_low is not None and check.ci_high is not None
+            else ""
+        )
+        status = "pass" if check.passed else "FAIL"
+        print(f"  {status} {check.metric}: delta {check.delta:+.4f}{ci}")
 
 
 def _read_stats(data_dir: Path) -> dict[str, Any]:

@@ -28,6 +28,32 @@ class ColumnMap(_Strict):
     item_id: str = "item_id"
     timestamp: str = "timestamp"
     weight: str | None = None
+    event_type: str | None = None
+
+    @field_validator("*", mode="before")
+    @classmethod
+    def _index_as_name(cls, value: Any) -> Any:
+        # Headerless files name their columns "0", "1", ...: YAML `user_id: 0` means column 0.
+        return str(value) if isinstance(value, int) and not isinstance(value, bool) else value
+
+
+class ItemsConfig(_Strict):
+    """An optional item side file (genres, title) joined into item_features.parquet."""
+
+    path: str | None = None
+    format: Literal["csv", "jsonl", "movielens-100k", "movielens-dat", "movielens-latest"] = "csv"
+    delimiter: str = ","
+    header: bool = True
+    encoding: str = "utf-8"
+    id_column: str = "item_id"
+    title_column: str | None = "title"
+    genres_column: str | None = "genres"
+    genres_separator: str = "|"
+
+    @field_validator("id_column", "title_column", "genres_column", mode="before")
+    @classmethod
+    def _index_as_name(cls, value: Any) -> Any:
+        return str(value) if isinstance(value, int) and not isinstance(value, bool) else value
 
 
 class SyntheticConfig(_Strict):
@@ -42,16 +68,29 @@ class SyntheticConfig(_Strict):
     start_date: str = "2026-01-01"
     days: int = Field(14, ge=1)
     seed: int = 7
+    item_features: bool = True
 
 
 class DataConfig(_Strict):
     """Where the raw interaction log comes from and how to read it."""
 
-    source: Literal["synthetic", "csv", "movielens-100k", "parquet"] = "synthetic"
+    source: Literal[
+        "synthetic",
+        "csv",
+        "jsonl",
+        "parquet",
+        "movielens-100k",
+        "movielens-1m",
+        "movielens-10m",
+        "movielens-latest",
+    ] = "synthetic"
     path: str | None = None
     delimiter: str = ","
+    header: bool = True
     columns: ColumnMap = ColumnMap()
     timestamp_unit: Literal["s", "ms"] = "s"
+    event_types: list[str] | None = None
+    items: ItemsConfig | None = None
     synthetic: SyntheticConfig = SyntheticConfig()
 
     @model_validator(mode="after")
@@ -68,6 +107,12 @@ class PreprocessConfig(_Strict):
     num_shards: int = Field(1, ge=1)
     max_rejected_fraction: float = Field(0.01, ge=0, le=1)
     beam_args: list[str] = []
+    history_length: int = Field(20, ge=0)
+    split: Literal["leave_last_out", "time_window"] = "leave_last_out"
+    eval_days: int = Field(1, ge=1)
+    min_user_count: int = Field(0, ge=0)
+    min_item_count: int = Field(0, ge=0)
+    vocab_min_count: int = Field(1, ge=1)
 
 
 class ModelConfig(_Strict):
@@ -80,6 +125,16 @@ class ModelConfig(_Strict):
     remove_accidental_hits: bool = True
     l2_regularization: float = Field(0.0, ge=0)
     oov_buckets: int = Field(1, ge=1)
+    # Query tower: the last `history_length` items of the user's history, mean-pooled over item
+    # embeddings (0 turns history off). Shared: the candidate tower's item table is reused.
+    # Same default as preprocess.history_length: serving then pools what training saw.
+    history_length: int = Field(20, ge=0)
+    share_item_embeddings: bool = True
+    # Candidate tower: genres / title tokens from item_features.parquet when it has them.
+    item_features: bool = True
+    max_title_tokens: int = Field(16, ge=1)
+    # Extra hard negatives (TFRS HardNegativeMining): keep only the top-N negatives per query.
+    num_hard_negatives: int | None = Field(None, ge=1)
 
 
 class TrainingConfig(_Strict):
@@ -91,6 +146,22 @@ class TrainingConfig(_Strict):
     learning_rate: float = Field(0.01, gt=0)
     shuffle_buffer: int = Field(100_000, ge=1)
     seed: int = 42
+    # Same seed, same data order and weights (tf.data determinism + op determinism; slower).
+    deterministic: bool = False
+    # auto: multi_worker when TF_CONFIG names several workers, mirrored on several GPUs,
+    # else one_device (docs/TRAINING.md).
+    strategy: Literal["auto", "one_device", "mirrored", "multi_worker"] = "auto"
+    # auto: mixed_float16 on GPUs with compute capability >= 7.0, else float32.
+    precision: Literal["auto", "float32", "mixed_bfloat16", "mixed_float16"] = "auto"
+    gpu_memory_growth: bool = True
+    # Checkpoints for resuming a killed run: every N steps (0: only at epoch end).
+    checkpoint_every_steps: int = Field(0, ge=0)
+    # Early stopping on exact validation metrics (0: off); the best epoch's weights are kept.
+    early_stopping_patience: int = Field(0, ge=0)
+    early_stopping_metric: str = Field("recall_at_50", pattern=r"^(recall|ndcg|mrr)_at_\d+$")
+    # A previous run's model dir (e.g. the champion's): initialise from its weights, rows
+    # mapped by id when the vocabularies changed.
+    warm_start_from: str | None = None
 
 
 class EvaluationConfig(_Strict):
@@ -115,6 +186,30 @@ class TrackingConfig(_Strict):
 
     uri: str | None = None
     experiment: str | None = None
+    # Reachability probe of a tracking server before logging: attempts, first wait (doubles).
+    retries: int = Field(4, ge=1)
+    backoff_seconds: float = Field(1.0, ge=0)
+
+
+class GateConfig(_Strict):
+    """Champion/challenger gate: promote only on a confident improvement without regressions."""
+
+    primary_metric: str = "recall_at_50"
+    # The challenger's mean per-user gain must be at least this AND its CI lower bound above 0.
+    min_delta: float = Field(0.0, ge=0)
+    confidence: float = Field(0.95, gt=0.5, lt=1)
+    bootstrap_samples: int = Field(2000, ge=100)
+    seed: int = 0
+    # metric -> largest tolerated drop (absolute, challenger minus champion).
+    guardrails: dict[str, float] = {"ndcg_at_10": 0.01, "coverage_at_10": 0.05}
+
+    @field_validator("guardrails")
+    @classmethod
+    def _non_negative(cls, guardrails: dict[str, float]) -> dict[str, float]:
+        bad = {k: v for k, v in guardrails.items() if not v >= 0}
+        if bad:
+            raise ValueError(f"gate.guardrails tolerances must be >= 0, got {bad}")
+        return guardrails
 
 
 class ExportConfig(_Strict):
@@ -136,6 +231,18 @@ class RecsysConfig(_Strict):
     evaluation: EvaluationConfig = EvaluationConfig()
     tracking: TrackingConfig = TrackingConfig()
     export: ExportConfig = ExportConfig()
+    gate: GateConfig = GateConfig()
+
+    @model_validator(mode="after")
+    def _history_fits(self) -> RecsysConfig:
+        # The model can only pool what the Beam job wrote into each example.
+        if self.model.history_length > self.preprocess.history_length:
+            raise ValueError(
+                f"model.history_length ({self.model.history_length}) exceeds "
+                f"preprocess.history_length ({self.preprocess.history_length}): the examples "
+                "hold no more history than that; lower the first or raise the second"
+            )
+        return self
 
     def flat(self) -> dict[str, Any]:
         """The config as dotted keys (MLflow params)."""

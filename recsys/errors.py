@@ -37,3 +37,9 @@ class TrackingError(RecsysError):
     """The MLflow tracking store could not be reached or written."""
 
     exit_code = 6
+
+
+class OutOfMemoryError(RecsysError):
+    """Training ran out of device memory; the message names the batch size to lower."""
+
+    exit_code = 7

@@ -43,18 +43,26 @@ def build_eval_set(
 ) -> EvalSet:
     """Targets from `eval_rows`; exclusions from `known_rows` (e.g. train and validation)."""
     position = {item: i for i, item in enumerate(catalog)}
-    known: dict[str, set[int]] = {}
-    for rows in known_rows:
-        for user, item in zip(_str(rows[schema.USER_ID]), _str(rows[schema.ITEM_ID]), strict=True):
-            if item in position:
-                known.setdefault(user, set()).add(position[item])
     users = _str(eval_rows[schema.USER_ID])
     targets = np.array([position.get(i, -1) for i in _str(eval_rows[schema.ITEM_ID])], np.int64)
-    exclude = [
-        np.fromiter(known.get(u, set()) - {t}, dtype=np.int64)
-        for u, t in zip(users, targets, strict=True)
+    user_row = {u: r for r, u in enumerate(dict.fromkeys(users))}
+    # (user row, item) pairs of every known interaction, deduplicated and grouped with numpy.
+    pairs = [
+        (user_row[u], position[i])
+        for rows in known_rows
+        for u, i in zip(_str(rows[schema.USER_ID]), _str(rows[schema.ITEM_ID]), strict=True)
+        if u in user_row and i in position
     ]
+    known = np.unique(np.array(pairs, np.int64).reshape(-1, 2), axis=0)
+    bounds = np.searchsorted(known[:, 0], np.arange(len(user_row) + 1))
+    per_user = [known[bounds[r] : bounds[r + 1], 1] for r in range(len(user_row))]
+    exclude = [_drop(per_user[user_row[u]], t) for u, t in zip(users, targets, strict=True)]
     return EvalSet(users, targets, exclude, len(catalog))
+
+
+def _drop(items: np.ndarray, target: int) -> np.ndarray:
+    """The target itself is never excluded."""
+    return items[items != target]
 
 
 def _str(values: np.ndarray) -> list[str]:
@@ -81,11 +89,16 @@ def evaluate(score_fn: ScoreFn, data: EvalSet, config: EvaluationConfig) -> Eval
     ranks = np.full(n, np.inf)
     covered = np.zeros(data.num_items, dtype=bool)
     top = min(config.coverage_k, data.num_items)
+    # Exclusions as one CSR array, so each batch masks with one fancy assignment.
+    lengths = np.fromiter((len(e) for e in data.exclude), dtype=np.int64, count=n)
+    indptr = np.concatenate([[0], np.cumsum(lengths)])
+    flat = np.concatenate(data.exclude).astype(np.int64) if n else np.zeros(0, np.int64)
     for start in range(0, n, config.user_batch_size):
-        rows = np.arange(start, min(start + config.user_batch_size, n))
-        scores = np.asarray(score_fn(rows), dtype=np.float32).copy()
-        for offset, row in enumerate(rows):
-            scores[offset, data.exclude[row]] = -np.inf
+        stop = min(start + config.user_batch_size, n)
+        rows = np.arange(start, stop)
+        scores = np.array(score_fn(rows), dtype=np.float32)  # a copy: masked in place below
+        batch_rows = np.repeat(np.arange(stop - start), lengths[start:stop])
+        scores[batch_rows, flat[indptr[start] : indptr[stop]]] = -np.inf
         ranks[rows] = _target_ranks(scores, data.targets[rows])
         if top:
             best = np.argpartition(-scores, top - 1, axis=1)[:, :top]

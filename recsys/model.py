@@ -3,14 +3,19 @@
 Ids are turned into integer indices outside the towers (in tf.data for training, in the
 serving module for export) so the towers are plain numeric graphs that XLA can compile.
 Index layout of both vocabularies: `[0, oov_buckets)` are hashed out-of-vocabulary buckets,
-then the vocabulary file's ids in order.
+then the vocabulary file's ids in order. Variable-length inputs (a user's history, an item's
+genres and title tokens) are dense int matrices padded with PAD (-1), pooled with a masked
+mean, so an empty list pools to the zero vector.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
+import re
+from collections import Counter
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -19,74 +24,178 @@ import tensorflow_recommenders as tfrs
 
 import recsys  # noqa: F401  (sets TF_USE_LEGACY_KERAS before TensorFlow is imported)
 from recsys.config import ModelConfig
-from recsys.errors import StageNotReadyError
+from recsys.errors import ConfigError, DataError, StageNotReadyError
 
 USER_INDEX = "user_index"
 ITEM_INDEX = "item_index"
+HISTORY_INDEX = "history_index"
 ITEM_LOG_PROB = "item_log_prob"
+PAD = -1
+"""Padding index of history / feature matrices (masked out of every pooled mean)."""
+
+GENRES = "genres"
+TITLE = "title"
+ITEM_FEATURE_COLUMNS = (GENRES, TITLE)
+_MAX_GENRES = 8
+_TOKEN = re.compile(r"\w+", re.UNICODE)
 
 
-class Tower(tf.keras.Model):
-    """One tower: `normalize(MLP(E[index]))`.
+def masked_mean(embedding: tf.keras.layers.Layer, ids: tf.Tensor) -> tf.Tensor:
+    """`sum_j 1[ids_j >= 0] E[ids_j] / max(1, #valid)` over the last axis of `ids`."""
+    valid = ids >= 0
+    vectors = embedding(tf.where(valid, ids, tf.zeros_like(ids)))
+    mask = tf.cast(valid, vectors.dtype)[..., None]
+    count = tf.maximum(tf.reduce_sum(mask, axis=-2), tf.ones([], vectors.dtype))
+    return tf.reduce_sum(vectors * mask, axis=-2) / count
 
-    E is a (vocabulary + oov) x d embedding table, the MLP is ReLU layers ending in a linear
-    projection (or nothing), and the output is L2-normalised so that the dot product of two
-    tower outputs is their cosine similarity.
+
+def _mlp(hidden_dims: Sequence[int]) -> list[tf.keras.layers.Layer]:
+    """ReLU layers ending in a linear projection (an empty list: no MLP)."""
+    return [
+        tf.keras.layers.Dense(
+            units, activation="relu" if i < len(hidden_dims) - 1 else None, name=f"dense_{i}"
+        )
+        for i, units in enumerate(hidden_dims)
+    ]
+
+
+def _embedding(rows: int, dim: int, l2: float, name: str) -> tf.keras.layers.Embedding:
+    regularizer = tf.keras.regularizers.l2(l2) if l2 > 0 else None
+    return tf.keras.layers.Embedding(rows, dim, embeddings_regularizer=regularizer, name=name)
+
+
+class QueryTower(tf.keras.Model):
+    """`q = normalize(MLP(U[u] + mean_{j in H(u)} V[j]))`.
+
+    U is the (users + oov) x d user table; H(u) the user's last `history_length` items (index
+    PAD ignored; an empty history adds the zero vector); V is the candidate tower's item table
+    when `item_embedding` is given (shared), else the tower's own table of `num_items` rows.
     """
 
     def __init__(
         self,
-        vocab_size: int,
+        num_users: int,
         embedding_dim: int,
         hidden_dims: Sequence[int] = (),
         l2: float = 0.0,
+        history_length: int = 0,
+        item_embedding: tf.keras.layers.Embedding | None = None,
+        num_items: int = 0,
         **kwargs: object,
     ) -> None:
         super().__init__(**kwargs)
-        self.vocab_size = vocab_size
-        self.embedding_dim = embedding_dim
-        self.hidden_dims = list(hidden_dims)
-        self.l2 = l2
-        regularizer = tf.keras.regularizers.l2(l2) if l2 > 0 else None
-        self.embedding = tf.keras.layers.Embedding(
-            vocab_size, embedding_dim, embeddings_regularizer=regularizer, name="embedding"
-        )
-        self.mlp = [
-            tf.keras.layers.Dense(
-                units,
-                activation="relu" if i < len(self.hidden_dims) - 1 else None,
-                name=f"dense_{i}",
+        self.history_length = history_length
+        # Attribute names are checkpoint keys: `embedding` as in the first (ids-only) towers.
+        self.embedding = _embedding(num_users, embedding_dim, l2, "embedding")
+        self.shares_item_embedding = item_embedding is not None
+        self.history_embedding = None
+        if history_length:
+            self.history_embedding = item_embedding or _embedding(
+                num_items, embedding_dim, l2, "history_embedding"
             )
-            for i, units in enumerate(self.hidden_dims)
-        ]
+        self.mlp = _mlp(hidden_dims)
 
-    def call(self, indices: tf.Tensor) -> tf.Tensor:
-        x = self.embedding(indices)
+    def call(self, inputs: dict[str, tf.Tensor]) -> tf.Tensor:
+        x = self.embedding(inputs[USER_INDEX])
+        if self.history_embedding is not None and HISTORY_INDEX in inputs:
+            x = x + masked_mean(self.history_embedding, inputs[HISTORY_INDEX])
         for layer in self.mlp:
             x = layer(x)
         return tf.math.l2_normalize(tf.cast(x, tf.float32), axis=-1)
 
     def get_config(self) -> dict[str, object]:
-        return {
-            "vocab_size": self.vocab_size,
-            "embedding_dim": self.embedding_dim,
-            "hidden_dims": self.hidden_dims,
-            "l2": self.l2,
-            "name": self.name,
-        }
+        # Rebuilt from model.json by TrainedModel.load, never from a Keras config.
+        return {"name": self.name}
+
+
+class CandidateTower(tf.keras.Model):
+    """`c = normalize(MLP(V[i] + sum_f mean_{t in F_f(i)} W_f[t]))`.
+
+    V is the (items + oov) x d item table; for each item feature f (genres, title tokens) the
+    per-item token indices F_f are a constant [items + oov, width] table baked into the tower
+    (a non-trainable variable), so the whole catalog embeds from item indices alone.
+    """
+
+    def __init__(
+        self,
+        num_items: int,
+        embedding_dim: int,
+        hidden_dims: Sequence[int] = (),
+        l2: float = 0.0,
+        features: dict[str, tuple[np.ndarray, int]] | None = None,
+        **kwargs: object,
+    ) -> None:
+        super().__init__(**kwargs)
+        self.embedding = _embedding(num_items, embedding_dim, l2, "embedding")
+        self.feature_names = sorted(features or {})
+        self.feature_ids: dict[str, tf.Variable] = {}
+        self.feature_embeddings: dict[str, tf.keras.layers.Embedding] = {}
+        for name in self.feature_names:
+            table, size = (features or {})[name]
+            self.feature_ids[name] = self.add_weight(
+                name=f"{name}_ids",
+                shape=table.shape,
+                dtype=tf.int32,
+                initializer=tf.constant_initializer(table),
+                trainable=False,
+            )
+            self.feature_embeddings[name] = _embedding(
+                max(size, 1), embedding_dim, l2, f"{name}_embedding"
+            )
+        self.mlp = _mlp(hidden_dims)
+
+    def call(self, indices: tf.Tensor) -> tf.Tensor:
+        x = self.embedding(indices)
+        for name in self.feature_names:
+            ids = tf.gather(self.feature_ids[name], indices)
+            x = x + masked_mean(self.feature_embeddings[name], ids)
+        for layer in self.mlp:
+            x = layer(x)
+        return tf.math.l2_normalize(tf.cast(x, tf.float32), axis=-1)
+
+    def get_config(self) -> dict[str, object]:
+        return {"name": self.name}
+
+
+def gather_global_candidates(*tensors: tf.Tensor) -> list[tf.Tensor]:
+    """Under several replicas, every replica's rows gathered, this replica's rows first.
+
+    In-batch negatives then come from the global batch. Rolling the local rows first keeps the
+    positives on the diagonal (what tfrs.tasks.Retrieval's labels assume); the softmax does not
+    depend on the order of the other columns. ReplicaContext.all_gather is differentiable: the
+    gradient reaching another replica's candidates is summed back to that replica.
+    """
+    ctx = tf.distribute.get_replica_context()
+    if ctx is None or ctx.num_replicas_in_sync == 1:
+        return list(tensors)
+    # Input tensors straight from the dataset iterator carry no device under a multi-worker
+    # strategy; all_gather needs one (it is its destination): copy them under the step's.
+    tensors = tuple(t if t.device else tf.identity(t) for t in tensors)
+    sizes = ctx.all_gather(tf.shape(tensors[0])[:1], axis=0)
+    offset = tf.reduce_sum(sizes[: ctx.replica_id_in_sync_group])
+    # A roll, not a gather: its gradient stays dense, which all_gather's gradient needs.
+    return [tf.roll(ctx.all_gather(t, axis=0), shift=-offset, axis=0) for t in tensors]
 
 
 class TwoTowerModel(tfrs.Model):
-    """In-batch sampled-softmax retrieval.
+    """In-batch sampled-softmax retrieval over the global batch.
 
-    For a batch of (user, item) pairs with query vectors q_i and candidate vectors c_j the
-    logits are `s_ij = q_i . c_j / temperature`, minus `log Q(j)` (the item's sampling
-    probability) when logQ correction is on, and the loss is the softmax cross-entropy of the
-    diagonal; other rows' items that equal the positive are masked (accidental hits).
-    The logged `loss` is the mean per example over the epoch.
+    For a batch of (query, item) pairs with query vectors q_i and candidate vectors c_j (all
+    replicas' candidates under a distribution strategy) the logits are
+    `s_ij = q_i . c_j / temperature - log Q(j)` (logQ correction on), other columns holding the
+    positive item are masked (accidental hits), optionally only the top `num_hard_negatives`
+    negatives are kept, and the loss is the softmax cross-entropy of the positive, summed over
+    the replica's queries (so gradients summed over replicas equal one-device gradients).
+    Logits and loss are float32 whatever the towers' precision. The logged `loss` is the mean
+    per example over the epoch.
     """
 
-    def __init__(self, query_tower: Tower, candidate_tower: Tower, config: ModelConfig) -> None:
+    def __init__(
+        self,
+        query_tower: QueryTower,
+        candidate_tower: CandidateTower,
+        config: ModelConfig,
+    ) -> None:
         super().__init__()
         self.query_tower = query_tower
         self.candidate_tower = candidate_tower
@@ -94,6 +203,7 @@ class TwoTowerModel(tfrs.Model):
         self.task = tfrs.tasks.Retrieval(
             temperature=config.temperature,
             remove_accidental_hits=config.remove_accidental_hits,
+            num_hard_negatives=config.num_hard_negatives,
         )
         self.loss_tracker = tf.keras.metrics.Mean(name="loss")
 
@@ -102,34 +212,59 @@ class TwoTowerModel(tfrs.Model):
         return [self.loss_tracker]
 
     def compute_loss(self, features: dict[str, tf.Tensor], training: bool = False) -> tf.Tensor:
-        query = self.query_tower(features[USER_INDEX])
-        candidates = self.candidate_tower(features[ITEM_INDEX])
-        log_q = features.get(ITEM_LOG_PROB) if self.config.logq_correction else None
+        query_inputs = {k: features[k] for k in (USER_INDEX, HISTORY_INDEX) if k in features}
+        query = self.query_tower(query_inputs, training=training)
+        candidates = self.candidate_tower(features[ITEM_INDEX], training=training)
+        candidates, ids, log_q = gather_global_candidates(
+            candidates, features[ITEM_INDEX], features[ITEM_LOG_PROB]
+        )
         return self.task(
             query,
             candidates,
-            candidate_sampling_probability=None if log_q is None else tf.exp(log_q),
-            candidate_ids=features[ITEM_INDEX] if self.config.remove_accidental_hits else None,
+            candidate_sampling_probability=tf.exp(log_q) if self.config.logq_correction else None,
+            candidate_ids=ids if self.config.remove_accidental_hits else None,
             compute_metrics=False,
             compute_batch_metrics=False,
         )
 
     def _step(self, features: dict[str, tf.Tensor], train: bool) -> dict[str, tf.Tensor]:
+        loss_scaling = isinstance(self.optimizer, tf.keras.mixed_precision.LossScaleOptimizer)
+        replicas = tf.distribute.get_strategy().num_replicas_in_sync
         with tf.GradientTape() as tape:
             loss = self.compute_loss(features, training=train)
-            total = loss + tf.add_n(self.losses) if self.losses else loss
+            # Regularisation is added on every replica and the gradients are summed: 1/R each.
+            total = loss + tf.add_n(self.losses) / replicas if self.losses else loss
+            # TFRS's own train_step never scales the loss, so float16 gradients underflow.
+            scaled = self.optimizer.get_scaled_loss(total) if train and loss_scaling else total
         if train:
-            grads = tape.gradient(total, self.trainable_variables)
+            grads = tape.gradient(scaled, self.trainable_variables)
+            if loss_scaling:
+                grads = self.optimizer.get_unscaled_gradients(grads)
             self.optimizer.apply_gradients(zip(grads, self.trainable_variables, strict=True))
         batch = tf.cast(tf.shape(features[ITEM_INDEX])[0], tf.float32)
         self.loss_tracker.update_state(loss / batch, sample_weight=batch)
         return {"loss": self.loss_tracker.result()}
 
     def train_step(self, features: dict[str, tf.Tensor]) -> dict[str, tf.Tensor]:
-        return self._step(features, train=True)
+        with _replica_device():
+            return self._step(features, train=True)
 
     def test_step(self, features: dict[str, tf.Tensor]) -> dict[str, tf.Tensor]:
-        return self._step(features, train=False)
+        with _replica_device():
+            return self._step(features, train=False)
+
+
+def _replica_device() -> contextlib.AbstractContextManager[object]:
+    """Pin the step to the worker's device under a one-device-per-worker multi-worker strategy.
+
+    There, replica tensors carry no device, and all_gather (and its gradient) derive their
+    destination from the tensor's device: "destinations can not be empty" otherwise.
+    """
+    strategy = tf.distribute.get_strategy()
+    devices = strategy.extended.worker_devices if strategy.num_replicas_in_sync > 1 else ()
+    if isinstance(strategy, tf.distribute.MultiWorkerMirroredStrategy) and len(devices) == 1:
+        return tf.device(devices[0])
+    return contextlib.nullcontext()
 
 
 def read_vocab(path: Path) -> list[str]:
@@ -145,42 +280,156 @@ def string_lookup(vocab: Sequence[str], oov_buckets: int) -> tf.keras.layers.Str
 
 
 @dataclass
+class ItemFeatures:
+    """Per-item token indices of each item feature, in item-vocabulary order.
+
+    `ids[name]` is [num_items, width] int32 padded with PAD; `vocab[name]` lists the tokens.
+    """
+
+    ids: dict[str, np.ndarray] = field(default_factory=dict)
+    vocab: dict[str, list[str]] = field(default_factory=dict)
+
+    @classmethod
+    def from_parquet(cls, path: Path, items: Sequence[str], max_title_tokens: int) -> ItemFeatures:
+        """Genres (list or '|'-separated) and title tokens of `items`; absent columns skipped."""
+        import pyarrow.parquet as pq
+
+        if not path.is_file():
+            return cls()
+        columns = [c for c in ITEM_FEATURE_COLUMNS if c in pq.read_schema(path).names]
+        if not columns:
+            return cls()
+        table = pq.read_table(path, columns=["item_id", *columns]).to_pydict()
+        row = {item: i for i, item in enumerate(table["item_id"])}
+        tokens: dict[str, list[list[str]]] = {}
+        if GENRES in columns:
+            tokens[GENRES] = [_genres(table[GENRES][row[i]]) if i in row else [] for i in items]
+        if TITLE in columns:
+            tokens[TITLE] = [_title(table[TITLE][row[i]]) if i in row else [] for i in items]
+        features = cls()
+        for name, per_item in tokens.items():
+            counts = Counter(t for toks in per_item for t in set(toks))
+            # A token of one item only is another item id: it adds parameters, not sharing.
+            vocab = sorted((t for t, c in counts.items() if c >= 2), key=lambda t: (-counts[t], t))
+            if not vocab:
+                continue
+            width = _MAX_GENRES if name == GENRES else max_title_tokens
+            features.ids[name] = _pad_tokens(per_item, vocab, width)
+            features.vocab[name] = vocab
+        return features
+
+    def save(self, path: Path) -> None:
+        """`item_features.npz` (id matrices) and `item_features.json` (token vocabularies)."""
+        np.savez(path / "item_features.npz", **self.ids)
+        (path / "item_features.json").write_text(json.dumps(self.vocab), encoding="utf-8")
+
+    @classmethod
+    def load(cls, path: Path) -> ItemFeatures:
+        """What `save` wrote; empty for a model saved without item features."""
+        if not (path / "item_features.json").is_file():
+            return cls()
+        with np.load(path / "item_features.npz") as npz:
+            ids = {name: npz[name] for name in npz.files}
+        return cls(ids, json.loads((path / "item_features.json").read_text(encoding="utf-8")))
+
+
+def _genres(value: object) -> list[str]:
+    if value is None:
+        return []
+    parts = value if isinstance(value, list) else str(value).split("|")
+    return [str(p).strip() for p in parts if p and str(p).strip()]
+
+
+def _title(value: object) -> list[str]:
+    return _TOKEN.findall(str(value).lower()) if value else []
+
+
+def _pad_tokens(per_item: list[list[str]], vocab: list[str], width: int) -> np.ndarray:
+    index = {t: i for i, t in enumerate(vocab)}
+    out = np.full((len(per_item), width), PAD, dtype=np.int32)
+    for row, toks in enumerate(per_item):
+        known = list(dict.fromkeys(index[t] for t in toks if t in index))[:width]
+        out[row, : len(known)] = known
+    return out
+
+
+def pad_histories(
+    histories: Sequence[Sequence[str | bytes]],
+    lookup: tf.keras.layers.StringLookup,
+    length: int,
+) -> np.ndarray:
+    """[n, length] int64 item indices of each history's last `length` ids, PAD-filled.
+
+    Empty ids ("" is the serving signature's padding) are dropped; unknown ids hash to OOV.
+    """
+    kept = [
+        [h for h in hist if h not in ("", b"")][-length:] if length else [] for hist in histories
+    ]
+    lens = np.array([len(h) for h in kept], dtype=np.int64)
+    out = np.full((len(kept), length), PAD, dtype=np.int64)
+    flat = [h for hist in kept for h in hist]
+    if flat:
+        flat = [h.decode("utf-8") if isinstance(h, bytes) else h for h in flat]
+        rows = np.repeat(np.arange(len(kept)), lens)
+        cols = np.arange(len(flat)) - np.repeat(np.cumsum(lens) - lens, lens)
+        out[rows, cols] = lookup(tf.constant(flat)).numpy()
+    return out
+
+
+@dataclass
 class TrainedModel:
-    """A trained pair of towers with the vocabularies that index them."""
+    """A trained pair of towers with the vocabularies (and item features) that index them."""
 
     users: list[str]
     items: list[str]
     config: ModelConfig
-    query_tower: Tower
-    candidate_tower: Tower
+    query_tower: QueryTower
+    candidate_tower: CandidateTower
+    item_features: ItemFeatures = field(default_factory=ItemFeatures)
 
     @classmethod
-    def build(cls, users: list[str], items: list[str], config: ModelConfig) -> TrainedModel:
-        """Fresh (untrained) towers sized for the vocabularies."""
+    def build(
+        cls,
+        users: list[str],
+        items: list[str],
+        config: ModelConfig,
+        item_features: ItemFeatures | None = None,
+    ) -> TrainedModel:
+        """Fresh (untrained) towers sized for the vocabularies (under the current dtype policy)."""
         oov = config.oov_buckets
-        query = Tower(
+        item_features = item_features if config.item_features and item_features else ItemFeatures()
+        features = {
+            name: (
+                np.concatenate([np.full((oov, ids.shape[1]), PAD, np.int32), ids]),
+                len(item_features.vocab[name]),
+            )
+            for name, ids in item_features.ids.items()
+        }
+        dims = (config.embedding_dim, config.hidden_dims, config.l2_regularization)
+        cand = CandidateTower(len(items) + oov, *dims, features=features, name="candidate_tower")
+        query = QueryTower(
             len(users) + oov,
-            config.embedding_dim,
-            config.hidden_dims,
-            config.l2_regularization,
+            *dims,
+            history_length=config.history_length,
+            item_embedding=cand.embedding if config.share_item_embeddings else None,
+            num_items=len(items) + oov,
             name="query_tower",
         )
-        cand = Tower(
-            len(items) + oov,
-            config.embedding_dim,
-            config.hidden_dims,
-            config.l2_regularization,
-            name="candidate_tower",
-        )
-        query(tf.zeros([1], tf.int64))
+        query(_dummy_query(config))
         cand(tf.zeros([1], tf.int64))
-        return cls(users, items, config, query, cand)
+        return cls(users, items, config, query, cand, item_features)
 
     def user_lookup(self) -> tf.keras.layers.StringLookup:
         return string_lookup(self.users, self.config.oov_buckets)
 
     def item_lookup(self) -> tf.keras.layers.StringLookup:
         return string_lookup(self.items, self.config.oov_buckets)
+
+    @property
+    def output_dim(self) -> int:
+        """Width of both towers' outputs."""
+        hidden = self.config.hidden_dims
+        return hidden[-1] if hidden else self.config.embedding_dim
 
     def item_indices(self) -> np.ndarray:
         """Indices of the catalog's items (vocabulary order), OOV buckets excluded."""
@@ -194,28 +443,49 @@ class TrainedModel:
             self.candidate_tower(idx[i : i + batch_size]).numpy()
             for i in range(0, len(idx), batch_size)
         ]
-        return np.concatenate(parts).astype(np.float32) if parts else np.zeros((0, 0), np.float32)
+        return (
+            np.concatenate(parts).astype(np.float32)
+            if parts
+            else np.zeros((0, self.output_dim), np.float32)
+        )
 
-    def user_embeddings(self, user_ids: Sequence[str], batch_size: int = 65536) -> np.ndarray:
-        """[len(user_ids), d] float32 query vectors for raw user ids (unknown ids hashed)."""
-        lookup = self.user_lookup()
+    def user_embeddings(
+        self,
+        user_ids: Sequence[str],
+        histories: Sequence[Sequence[str | bytes]] | None = None,
+        batch_size: int = 65536,
+    ) -> np.ndarray:
+        """[len(user_ids), d] float32 query vectors for raw user ids and their item histories.
+
+        Unknown user ids hash to OOV buckets; `histories` (oldest first, one per user; None:
+        all empty) keep their last `history_length` ids, unknown item ids hashing to OOV.
+        """
+        if histories is not None and len(histories) != len(user_ids):
+            raise ValueError(f"{len(histories)} histories for {len(user_ids)} users")
+        users, items = self.user_lookup(), self.item_lookup()
         parts = []
         for i in range(0, len(user_ids), batch_size):
-            indices = lookup(tf.constant(list(user_ids[i : i + batch_size])))
-            parts.append(self.query_tower(indices).numpy())
-        dim = (
-            self.config.embedding_dim
-            if not self.config.hidden_dims
-            else self.config.hidden_dims[-1]
+            ids = list(user_ids[i : i + batch_size])
+            inputs = {USER_INDEX: users(tf.constant(ids, tf.string))}
+            if self.config.history_length:
+                hist = histories[i : i + batch_size] if histories is not None else [[]] * len(ids)
+                inputs[HISTORY_INDEX] = tf.constant(
+                    pad_histories(hist, items, self.config.history_length)
+                )
+            parts.append(self.query_tower(inputs).numpy())
+        return (
+            np.concatenate(parts).astype(np.float32)
+            if parts
+            else np.zeros((0, self.output_dim), np.float32)
         )
-        return np.concatenate(parts).astype(np.float32) if parts else np.zeros((0, dim), np.float32)
 
     def save(self, path: Path) -> None:
-        """Weights (TF checkpoints), vocabularies and model config under `path`."""
+        """Weights (TF checkpoints), vocabularies, item features and model config under `path`."""
         path.mkdir(parents=True, exist_ok=True)
         (path / "users.txt").write_text("\n".join(self.users) + "\n", encoding="utf-8")
         (path / "items.txt").write_text("\n".join(self.items) + "\n", encoding="utf-8")
         (path / "model.json").write_text(json.dumps(self.config.model_dump(), indent=2))
+        self.item_features.save(path)
         self.query_tower.save_weights(str(path / "query" / "weights"))
         self.candidate_tower.save_weights(str(path / "candidate" / "weights"))
 
@@ -224,8 +494,117 @@ class TrainedModel:
         """Rebuild the towers saved by `save` and restore their weights."""
         if not (path / "model.json").is_file():
             raise StageNotReadyError(f"no trained model at {path}: run `recsys train` first")
-        config = ModelConfig.model_validate(json.loads((path / "model.json").read_text()))
-        model = cls.build(read_vocab(path / "users.txt"), read_vocab(path / "items.txt"), config)
-        model.query_tower.load_weights(str(path / "query" / "weights")).expect_partial()
-        model.candidate_tower.load_weights(str(path / "candidate" / "weights")).expect_partial()
+        raw = json.loads((path / "model.json").read_text())
+        # Models saved before a feature existed were trained without it: keep it off.
+        for key, off in _ADDED_OFF.items():
+            raw.setdefault(key, off)
+        config = ModelConfig.model_validate(raw)
+        model = cls.build(
+            read_vocab(path / "users.txt"),
+            read_vocab(path / "items.txt"),
+            config,
+            ItemFeatures.load(path),
+        )
+        for name, tower in (("query", model.query_tower), ("candidate", model.candidate_tower)):
+            status = tower.load_weights(str(path / name / "weights"))
+            try:
+                status.assert_existing_objects_matched()
+            except AssertionError as exc:
+                raise DataError(
+                    f"{path / name}: checkpoint does not match the {name} tower rebuilt from "
+                    f"model.json ({str(exc)[:300]}); retrain or re-export the model"
+                ) from None
+            status.expect_partial()  # optimizer slots are not needed to serve or warm start
         return model
+
+
+_ADDED_OFF = {"history_length": 0, "item_features": False}
+"""ModelConfig keys added after the first saved models, with the value that means 'absent'."""
+
+
+def _dummy_query(config: ModelConfig) -> dict[str, tf.Tensor]:
+    inputs = {USER_INDEX: tf.zeros([1], tf.int64)}
+    if config.history_length:
+        inputs[HISTORY_INDEX] = tf.fill([1, config.history_length], tf.constant(PAD, tf.int64))
+    return inputs
+
+
+def _map_rows(
+    target: tf.Variable, source: np.ndarray, new: Sequence[str], old: Sequence[str], oov: int
+) -> int:
+    """Copy `source` rows into `target` by id (OOV buckets by position); returns rows copied."""
+    value = target.numpy()
+    old_oov = source.shape[0] - len(old)
+    shared = min(oov, old_oov)
+    value[:shared] = source[:shared]
+    position = {t: i for i, t in enumerate(old)}
+    pairs = np.array(
+        [(oov + i, old_oov + position[t]) for i, t in enumerate(new) if t in position], np.int64
+    ).reshape(-1, 2)
+    value[pairs[:, 0]] = source[pairs[:, 1]]
+    target.assign(value)
+    return len(pairs)
+
+
+def warm_start(model: TrainedModel, previous: TrainedModel) -> dict[str, int]:
+    """Initialise `model` from `previous`: embedding rows mapped by id, MLP layers copied.
+
+    Ids in both vocabularies keep their trained rows, new ids keep their fresh rows, removed
+    ids are dropped. Dense layers are copied when their shapes match (same architecture).
+    Returns how many rows each table took over.
+    """
+    oov = model.config.oov_buckets
+    if model.output_dim != previous.output_dim:
+        raise ConfigError(
+            f"training.warm_start_from: the previous model's output width "
+            f"{previous.output_dim} differs from this config's {model.output_dim}"
+        )
+    if model.config.embedding_dim != previous.config.embedding_dim:
+        raise ConfigError(
+            f"training.warm_start_from: model.embedding_dim {model.config.embedding_dim} "
+            f"differs from the previous model's {previous.config.embedding_dim}"
+        )
+    q, pq_ = model.query_tower, previous.query_tower
+    c, pc = model.candidate_tower, previous.candidate_tower
+    copied = {
+        "users": _map_rows(
+            q.embedding.embeddings,
+            pq_.embedding.embeddings.numpy(),
+            model.users,
+            previous.users,
+            oov,
+        ),
+        "items": _map_rows(
+            c.embedding.embeddings,
+            pc.embedding.embeddings.numpy(),
+            model.items,
+            previous.items,
+            oov,
+        ),
+    }
+    if (
+        q.history_embedding is not None
+        and not q.shares_item_embedding
+        and pq_.history_embedding is not None
+    ):
+        copied["history_items"] = _map_rows(
+            q.history_embedding.embeddings,
+            pq_.history_embedding.embeddings.numpy(),
+            model.items,
+            previous.items,
+            oov,
+        )
+    for name, layer in c.feature_embeddings.items():
+        if name in pc.feature_embeddings:
+            copied[name] = _map_rows(
+                layer.embeddings,
+                pc.feature_embeddings[name].embeddings.numpy(),
+                model.item_features.vocab[name],
+                previous.item_features.vocab[name],
+                0,
+            )
+    for tower, old in ((q, pq_), (c, pc)):
+        for layer, old_layer in zip(tower.mlp, old.mlp, strict=False):
+            if [w.shape for w in layer.weights] == [w.shape for w in old_layer.weights]:
+                layer.set_weights(old_layer.get_weights())
+    return copied

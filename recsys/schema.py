@@ -88,7 +88,9 @@ def encode_example(record: dict[str, Any]) -> bytes:
             fmap[f.name].int64_list.value.append(int(value))
         else:
             fmap[f.name].float_list.value.append(float(value))
-    return example.SerializeToString()
+    # Feature-map entries are serialised in hash order unless asked otherwise, and that order
+    # differs between processes: deterministic=True sorts them, so the bytes are reproducible.
+    return example.SerializeToString(deterministic=True)
 
 
 def decode_example(data: bytes) -> dict[str, Any]:

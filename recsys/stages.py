@@ -43,7 +43,8 @@ def resolve_input(
     config = config.with_input(input_path)
     if config.data.source != "synthetic":
         return config, Path(config.data.path or "")
-    from recsys.synthetic import write_csv
+    from recsys.config import ItemsConfig
+    from recsys.synthetic import items_path, write_csv, write_items_csv
 
     synth = config.data.synthetic
     digest = hashlib.sha256(synth.model_dump_json().encode()).hexdigest()[:12]
@@ -51,7 +52,14 @@ def resolve_input(
     if not path.exists():
         log.info("generating the embedded synthetic log at %s", path)
         write_csv(synth, path)
-    return config.with_input(str(path)), path
+    config = config.with_input(str(path))
+    if synth.item_features and config.data.items is None:
+        items = items_path(path)
+        if not items.exists():
+            write_items_csv(synth, items)
+        data = config.data.model_copy(update={"items": ItemsConfig(path=str(items))})
+        config = config.model_copy(update={"data": data})
+    return config, path
 
 
 def preprocess(
@@ -81,7 +89,10 @@ def train(
     run_dir = workdir.run(date, new_run_id(config.digest()))
     run_dir.mkdir(parents=True)
     log.info("train: %s -> %s", data_dir, run_dir)
-    result = fit(config, data_dir)
+    # Keyed by date and config, not run id: rerunning a killed `train` resumes from here.
+    backup = workdir.runs(date) / f".backup-{config.digest()}"
+    result = fit(config, data_dir, backup_dir=backup)
+    shutil.rmtree(backup, ignore_errors=True)  # Keras empties it after a finished run
     result.model.save(run_dir / "model")
     _write_json(run_dir / "history.json", result.history)
     _write_json(
@@ -89,7 +100,13 @@ def train(
         {
             "data_dir": str(data_dir.resolve()),
             "examples_per_second": result.examples_per_second,
+            "steady_examples_per_second": result.steady_examples_per_second,
+            "epoch_seconds": result.epoch_seconds,
             "seconds": result.seconds,
+            "strategy": result.strategy,
+            "replicas": result.replicas,
+            "precision": result.precision,
+            "best_epoch": result.best_epoch,
         },
     )
     (run_dir / "config.yaml").write_text(yaml.safe_dump(config.model_dump(mode="json")))
@@ -103,6 +120,30 @@ def _run_dir(workdir: Workdir, date: dt.date, run_id: str | None) -> Path:
     return workdir.latest_run(date)
 
 
+def evaluate_model(config: RecsysConfig, model_dir: Path, data_dir: Path) -> tuple[Any, Any]:
+    """A saved model on data_dir's test split: (EvalSet, EvalResult), the one scoring path.
+
+    `recsys evaluate` and the champion/challenger gate both call this, so a champion
+    re-evaluated on today's data is scored exactly as the challenger.
+    """
+    from recsys import evaluation as ev
+    from recsys.model import TrainedModel
+    from recsys.training.dataset import load_split
+
+    model = TrainedModel.load(model_dir)
+    test = load_split(data_dir, "test")
+    eval_set = ev.build_eval_set(
+        model.items, test, [load_split(data_dir, "train"), load_split(data_dir, "validation")]
+    )
+    # Each test example carries the user's history before the test item (empty if the data
+    # has none): the query the model would have seen at that moment.
+    histories = list(test["history"]) if "history" in test else None
+    scores = ev.dot_product_scores(
+        model.user_embeddings(eval_set.users, histories), model.item_embeddings()
+    )
+    return eval_set, ev.evaluate(scores, eval_set, config.evaluation)
+
+
 def evaluate(
     config: RecsysConfig, workdir: Workdir, date: dt.date, run_id: str | None = None
 ) -> tuple[Path, dict[str, Any]]:
@@ -111,20 +152,11 @@ def evaluate(
     import pyarrow.parquet as pq
 
     from recsys import evaluation as ev
-    from recsys.model import TrainedModel
-    from recsys.training.dataset import load_split
 
     run_dir = _run_dir(workdir, date, run_id)
     data_dir = Path(json.loads((run_dir / "train.json").read_text())["data_dir"])
-    model = TrainedModel.load(run_dir / "model")
     log.info("evaluate: %s on %s (test split)", run_dir.name, data_dir)
-    eval_set = ev.build_eval_set(
-        model.items,
-        load_split(data_dir, "test"),
-        [load_split(data_dir, "train"), load_split(data_dir, "validation")],
-    )
-    scores = ev.dot_product_scores(model.user_embeddings(eval_set.users), model.item_embeddings())
-    result = ev.evaluate(scores, eval_set, config.evaluation)
+    eval_set, result = evaluate_model(config, run_dir / "model", data_dir)
     result.write_per_user(run_dir / "per_user_eval.parquet", eval_set.users)
     counts = pq.read_table(data_dir / "item_features.parquet")["train_count"].to_numpy()
     baseline = ev.evaluate(ev.popularity_scores(np.asarray(counts)), eval_set, config.evaluation)
@@ -185,7 +217,13 @@ def export(
     emb_dir.mkdir(parents=True, exist_ok=True)
     embeddings = {
         "items": write_item_embeddings(model, emb_dir / "items.parquet", version),
-        "users": write_user_embeddings(model, model.users, emb_dir / "users.parquet", version),
+        "users": write_user_embeddings(
+            model,
+            model.users,
+            emb_dir / "users.parquet",
+            version,
+            histories=_latest_histories(run_dir, model),
+        ),
     }
     _write_json(
         run_dir / "export.json",
@@ -197,6 +235,16 @@ def export(
         },
     )
     return ExportResult(version, models, embeddings, report)
+
+
+def _latest_histories(run_dir: Path, model: Any) -> list[list[str]] | None:
+    """Each vocabulary user's latest items (all splits, by time) for their users.parquet vector."""
+    if not model.config.history_length:
+        return None
+    from recsys.training.dataset import latest_histories
+
+    data_dir = Path(json.loads((run_dir / "train.json").read_text())["data_dir"])
+    return latest_histories(data_dir, model.users, model.config.history_length)
 
 
 def _brief(report: dict[str, Any]) -> str:
@@ -213,17 +261,22 @@ class NightlyResult:
     export: ExportResult
     mlflow_run_id: str
     timings: dict[str, float]
+    published: Any = None  # recsys.promotion.PublishResult: version, gate decision
 
 
 def nightly(
-    config: RecsysConfig, workdir: Workdir, date: dt.date, input_path: str | None = None
+    config: RecsysConfig,
+    workdir: Workdir,
+    date: dt.date,
+    input_path: str | None = None,
+    force_promote: bool = False,
 ) -> NightlyResult:
-    """All stages for one date, then one MLflow run with params, metrics and artifacts."""
-    from recsys.tracking import log_nightly_run
+    """All stages for one date, then MLflow: log, register, gate against champion, promote."""
+    from recsys.promotion import device_layout, publish_run
 
     timings: dict[str, float] = {}
     t = time.perf_counter()
-    data_dir, stats = preprocess(config, workdir, date, input_path)
+    data_dir, _ = preprocess(config, workdir, date, input_path)
     timings["preprocess_seconds"] = time.perf_counter() - t
     t = time.perf_counter()
     run_dir, trained = train(config, workdir, date, data_dir)
@@ -234,28 +287,35 @@ def nightly(
     t = time.perf_counter()
     exported = export(config, workdir, date, run_dir.name, verify=True)
     timings["export_seconds"] = time.perf_counter() - t
-    metrics = {f"test_{k}": v for k, v in report["model"].items()}
-    metrics.update({f"popularity_{k}": v for k, v in report["baselines"]["popularity"].items()})
-    metrics.update(timings)
-    metrics["train_examples_per_second"] = trained.examples_per_second
-    metrics["model_version"] = float(exported.version)
-    mlflow_run_id = log_nightly_run(
+    # Everything else is read back from the run folder, so `recsys sync` can redo this later.
+    published = publish_run(
         config,
-        workdir=workdir.root,
-        run_date=date,
-        stats=stats,
-        history=trained.history,
-        metrics=metrics,
-        artifacts=[
-            run_dir / "config.yaml",
-            data_dir / "stats.json",
-            run_dir / "metrics.json",
-            run_dir / "per_user_eval.parquet",
-            run_dir / "export.json",
-        ],
-        tags={"run_dir": str(run_dir), "model_version": str(exported.version)},
+        workdir,
+        date,
+        run_dir,
+        timings=timings,
+        device=device_layout(trained),
+        force_promote=force_promote,
     )
-    return NightlyResult(data_dir, run_dir, report, exported, mlflow_run_id, timings)
+    mlflow_run_id = published.mlflow_run_id
+    return NightlyResult(data_dir, run_dir, report, exported, mlflow_run_id, timings, published)
+
+
+def sync(
+    config: RecsysConfig, workdir: Workdir, date: dt.date, tracking_uri: str | None = None
+) -> list[Any]:
+    """Publish the date's runs left pending by an unreachable tracking server (oldest first)."""
+    from recsys.config import parse_config
+    from recsys.promotion import pending_runs, publish_run
+
+    results = []
+    for run_dir in pending_runs(workdir, date):
+        # The run's own config: its digest identifies the run, whatever --config says now.
+        run_config = parse_config(yaml.safe_load((run_dir / "config.yaml").read_text()))
+        uri = tracking_uri or config.tracking.uri
+        log.info("sync: publishing %s", run_dir)
+        results.append(publish_run(run_config, workdir, date, run_dir, tracking_uri=uri))
+    return results
 
 
 def _write_json(path: Path, payload: Any) -> None:

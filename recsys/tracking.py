@@ -11,15 +11,17 @@ import datetime as dt
 import json
 import os
 import re
+import subprocess
 import time
-from collections.abc import Iterator, Mapping
+import warnings
+from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager, suppress
 from pathlib import Path
 from typing import Any
 
 import requests
 from mlflow import MlflowClient
-from mlflow.entities import Metric, Param, RunStatus
+from mlflow.entities import DatasetInput, InputTag, Metric, Param, RunStatus, ViewType
 from mlflow.exceptions import MlflowException
 from mlflow.tracking.context.registry import resolve_tags
 
@@ -64,6 +66,16 @@ def resolve_tracking_uri(config: RecsysConfig, workdir: Path) -> str:
     )
 
 
+# Tags that identify one nightly run: same date, config and data -> the same MLflow run.
+IDENTITY_TAGS = ("run_date", "config_digest", "data_fingerprint")
+# Set last, once everything was logged: a run without it is resumed, not skipped.
+LOGGED_TAG = "recsys.logged"
+DEFAULT_DEVICE = {"strategy": "one_device", "replicas": "1", "precision": "float32"}
+
+Artifact = Path | tuple[Path, str]
+"""A file or folder to log; with a string, under that artifact folder (a folder: as it)."""
+
+
 def log_nightly_run(
     config: RecsysConfig,
     *,
@@ -72,32 +84,169 @@ def log_nightly_run(
     stats: dict[str, Any],
     history: dict[str, list[float]],
     metrics: dict[str, float],
-    artifacts: list[Path],
+    artifacts: Sequence[Artifact],
     tags: dict[str, str] | None = None,
+    dataset_source: str | None = None,
+    tracking_uri: str | None = None,
 ) -> str:
-    """Record one nightly run in MLflow and return the MLflow run id.
+    """Record one nightly run in MLflow and return the MLflow run id (idempotent).
 
     Params are the flattened config; `history` gives per-epoch metrics (step = 0-based epoch);
     `metrics` the final values; `artifacts` are files or folders; `stats` is also stored as
-    stats.json. Raises TrackingError if the run could not be recorded; inputs are checked before
-    anything is written, and a run that fails half-way is left with status FAILED.
+    stats.json; `dataset_source` (the data folder) is recorded as an MLflow dataset input whose
+    digest is the data fingerprint. A run with the same date, config digest and data fingerprint
+    is reused: skipped if fully logged, else finished. Raises TrackingError if the run could not
+    be recorded; inputs are checked before anything is written.
     """
-    uri = resolve_tracking_uri(config, workdir)
+    uri = tracking_uri or resolve_tracking_uri(config, workdir)
     run_tags = _run_tags(config, run_date, stats, tags or {})
     params = [Param(k, _param_value(v)) for k, v in config.flat().items()]
     metric_list = _metric_list(history, metrics)
     _check_artifacts(artifacts)
-    experiment = config.tracking.experiment or config.model_name
+    experiment = experiment_name(config)
     try:
-        if uri == default_tracking_uri(workdir):
-            Workdir(workdir).mlflow_store().mkdir(parents=True, exist_ok=True)
+        client = connect(config, workdir, uri)
         with bounded_http_retries():
-            client = MlflowClient(tracking_uri=uri)
-            experiment_id = _ensure_experiment(client, experiment, uri, workdir)
+            experiment_id = ensure_experiment(client, experiment, uri, workdir)
             run_name = f"nightly-{run_date.isoformat()}"
-            return _record_run(
-                client, experiment_id, run_name, run_tags, params, metric_list, stats, artifacts
+            run_id = find_nightly_run(client, experiment_id, run_tags)
+            if run_id is None:
+                run_id = client.create_run(experiment_id, tags=run_tags, run_name=run_name)
+                run_id = run_id.info.run_id
+            elif client.get_run(run_id).data.tags.get(LOGGED_TAG) == "true":
+                return run_id  # already complete: a rerun changes nothing
+            _record_run(
+                client, run_id, run_tags, params, metric_list, stats, artifacts,
+                _dataset_input(dataset_source, run_tags["data_fingerprint"]),
+            )  # fmt: skip
+            return run_id
+    except _TRACKING_FAILURES as exc:
+        raise _tracking_error(uri, workdir, exc) from None
+
+
+def experiment_name(config: RecsysConfig) -> str:
+    """The MLflow experiment of a model's nightly runs: tracking.experiment, else model_name."""
+    return config.tracking.experiment or config.model_name
+
+
+def connect(config: RecsysConfig, workdir: Path, uri: str | None = None) -> MlflowClient:
+    """A client for the run's tracking store; a server is probed first (retries with backoff)."""
+    uri = uri or resolve_tracking_uri(config, workdir)
+    if uri == default_tracking_uri(workdir):
+        Workdir(workdir).mlflow_store().mkdir(parents=True, exist_ok=True)
+    if uri.startswith(("http://", "https://")):
+        wait_for_server(uri, workdir, config.tracking.retries, config.tracking.backoff_seconds)
+    return MlflowClient(tracking_uri=uri)
+
+
+def wait_for_server(uri: str, workdir: Path, attempts: int, backoff_seconds: float) -> None:
+    """Return once the server answers HTTP at all; else TrackingError after `attempts` tries."""
+    error: Exception | None = None
+    for attempt in range(attempts):
+        try:
+            # Any HTTP answer (even 401/404) means reachable; MLflow's calls report the rest.
+            requests.get(f"{uri.rstrip('/')}/health", timeout=5)
+            return
+        except requests.RequestException as exc:
+            error = exc
+        if attempt + 1 < attempts:
+            time.sleep(backoff_seconds * 2**attempt)
+    assert error is not None
+    raise _tracking_error(uri, workdir, error, attempts=attempts)
+
+
+def find_nightly_run(
+    client: MlflowClient, experiment_id: str, tags: Mapping[str, str]
+) -> str | None:
+    """The newest active run with the same identity tags (date, config digest, data), if any."""
+    query = " and ".join(f"tags.{key} = '{tags[key]}'" for key in IDENTITY_TAGS)
+    runs = client.search_runs(
+        [experiment_id],
+        filter_string=query,
+        run_view_type=ViewType.ACTIVE_ONLY,
+        max_results=1,
+        order_by=["attributes.start_time DESC"],
+    )
+    return runs[0].info.run_id if runs else None
+
+
+def git_commit() -> str:
+    """The commit of the recsys source tree ('unknown' outside a git checkout)."""
+    repo = Path(__file__).resolve().parent.parent
+    try:
+        out = subprocess.run(
+            ["git", "-C", str(repo), "rev-parse", "HEAD"],
+            capture_output=True, text=True, timeout=10, check=True,
+        )  # fmt: skip
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+    return out.stdout.strip() or "unknown"
+
+
+def _dataset_input(source: str | None, fingerprint: str) -> DatasetInput | None:
+    if source is None:
+        return None
+    from mlflow.data.dataset_source_registry import resolve_dataset_source
+    from mlflow.data.meta_dataset import MetaDataset
+
+    with warnings.catch_warnings():
+        # MLflow warns that a local path matches two equivalent source types; either is right.
+        warnings.simplefilter("ignore")
+        dataset_source = resolve_dataset_source(redact_credentials(source))
+    # MLflow stores at most 36 characters of digest; 32 hex digits of sha256 are plenty.
+    dataset = MetaDataset(dataset_source, name=Path(source).name or source, digest=fingerprint[:32])
+    return DatasetInput(
+        dataset._to_mlflow_entity(), tags=[InputTag("mlflow.data.context", "training")]
+    )
+
+
+def record_ab_metric(
+    config: RecsysConfig,
+    workdir: Path,
+    *,
+    experiment: str,
+    variant: str,
+    metric: str,
+    value: float,
+    date: dt.date | None = None,
+    model_run_id: str | None = None,
+) -> str:
+    """Log one observed online A/B metric to the variant's run of experiment `ab-<name>`.
+
+    One MLflow run per (experiment, variant), reused on every call; each value is a new step of
+    the metric, so a series of daily observations reads as a curve next to the offline runs.
+    """
+    key = _metric_key(metric)
+    number = _as_float(key, value)
+    uri = resolve_tracking_uri(config, workdir)
+    tags = {"ab.experiment": experiment, "ab.variant": variant, "model_name": config.model_name}
+    if model_run_id:
+        tags["offline_run_id"] = model_run_id
+    try:
+        client = connect(config, workdir, uri)
+        with bounded_http_retries():
+            experiment_id = ensure_experiment(client, f"ab-{experiment}", uri, workdir)
+            runs = client.search_runs(
+                [experiment_id],
+                filter_string=f"tags.`ab.variant` = '{variant}'",
+                max_results=1,
+                order_by=["attributes.start_time ASC"],
             )
+            if runs:
+                run_id = runs[0].info.run_id
+            else:
+                run_id = client.create_run(
+                    experiment_id, tags=tags, run_name=f"variant-{variant}"
+                ).info.run_id
+            for name, tag in tags.items():
+                client.set_tag(run_id, name, tag)
+            step = len(client.get_metric_history(run_id, key))
+            when = dt.datetime.combine(date, dt.time(), tzinfo=dt.UTC) if date else None
+            stamp = int((when or dt.datetime.now(dt.UTC)).timestamp() * 1000)
+            client.log_metric(run_id, key, number, timestamp=stamp, step=step)
+            if date:
+                client.set_tag(run_id, "ab.last_date", date.isoformat())
+            return run_id
     except _TRACKING_FAILURES as exc:
         raise _tracking_error(uri, workdir, exc) from None
 
@@ -129,6 +278,7 @@ def _run_tags(
         "data_fingerprint": str(stats["fingerprint"]),
         "config_digest": config.digest(),
         "model_name": config.model_name,
+        "git_commit": git_commit(),
     }
     # Context tags (user, source, git commit) come from MLflow; the caller's and ours override.
     resolved = resolve_tags({**extra, **ours})
@@ -183,13 +333,18 @@ def _as_float(key: str, value: Any) -> float:
     return number
 
 
-def _check_artifacts(artifacts: list[Path]) -> None:
-    missing = [str(p) for p in artifacts if not Path(p).exists()]
+def _local(artifact: Artifact) -> tuple[Path, str | None]:
+    return (Path(artifact[0]), artifact[1]) if isinstance(artifact, tuple) else (artifact, None)
+
+
+def _check_artifacts(artifacts: Sequence[Artifact]) -> None:
+    missing = [str(_local(a)[0]) for a in artifacts if not _local(a)[0].exists()]
     if missing:
         raise TrackingError(f"artifacts to log do not exist: {missing}; nothing was logged")
 
 
-def _ensure_experiment(client: MlflowClient, name: str, uri: str, workdir: Path) -> str:
+def ensure_experiment(client: MlflowClient, name: str, uri: str, workdir: Path) -> str:
+    """The id of the named experiment, created (artifacts under the workdir for SQLite)."""
     experiment = client.get_experiment_by_name(name)
     if experiment is None:
         location = _local_artifact_location(uri, workdir)
@@ -221,29 +376,38 @@ def _local_artifact_location(uri: str, workdir: Path) -> str | None:
 
 def _record_run(
     client: MlflowClient,
-    experiment_id: str,
-    run_name: str,
+    run_id: str,
     tags: dict[str, str],
     params: list[Param],
     metric_list: list[Metric],
     stats: dict[str, Any],
-    artifacts: list[Path],
-) -> str:
-    run_id = client.create_run(experiment_id, tags=tags, run_name=run_name).info.run_id
+    artifacts: Sequence[Artifact],
+    dataset: DatasetInput | None,
+) -> None:
+    run = client.get_run(run_id)
+    # A resumed run keeps what it already has: re-logging a metric would duplicate its history.
+    metric_list = [m for m in metric_list if m.key not in run.data.metrics]
+    params = [p for p in params if p.key not in run.data.params]
     try:
         # log_batch splits into MLflow's per-request limits itself.
         client.log_batch(run_id, metrics=metric_list, params=params)
+        for key, value in tags.items():
+            if run.data.tags.get(key) != value:
+                client.set_tag(run_id, key, value)
+        if dataset is not None and not run.inputs.dataset_inputs:
+            client.log_inputs(run_id, datasets=[dataset])
         client.log_dict(run_id, json.loads(json.dumps(stats, default=str)), "stats.json")
-        for path in map(Path, artifacts):
+        for artifact in artifacts:
+            path, folder = _local(artifact)
             if path.is_dir():
-                client.log_artifacts(run_id, str(path), artifact_path=path.name)
+                client.log_artifacts(run_id, str(path), artifact_path=folder or path.name)
             else:
-                client.log_artifact(run_id, str(path))
+                client.log_artifact(run_id, str(path), artifact_path=folder)
+        client.set_tag(run_id, LOGGED_TAG, "true")
         client.set_terminated(run_id, RunStatus.to_string(RunStatus.FINISHED))
     except _TRACKING_FAILURES:
         _mark_failed(client, run_id)
         raise
-    return run_id
 
 
 def _mark_failed(client: MlflowClient, run_id: str) -> None:
@@ -252,12 +416,15 @@ def _mark_failed(client: MlflowClient, run_id: str) -> None:
         client.set_terminated(run_id, RunStatus.to_string(RunStatus.FAILED))
 
 
-def _tracking_error(uri: str, workdir: Path, exc: Exception) -> TrackingError:
+def _tracking_error(
+    uri: str, workdir: Path, exc: Exception, attempts: int | None = None
+) -> TrackingError:
     # The first line names the cause; MLflow's full text repeats urllib3's retry history.
     reason = redact_credentials((str(exc).strip().splitlines() or [""])[0])
     reason = reason if len(reason) <= 300 else reason[:300] + "..."
+    tries = f" after {attempts} attempts" if attempts else ""
     return TrackingError(
-        f"could not record the run in MLflow at {redact_credentials(uri)} "
+        f"could not record the run in MLflow at {redact_credentials(uri)}{tries} "
         f"({type(exc).__name__}: {reason}). The run's outputs on disk under {workdir} are "
         "intact; check the server (mlflow/README.md) or set tracking.uri / MLFLOW_TRACKING_URI"
     )

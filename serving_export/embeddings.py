@@ -55,13 +55,29 @@ def write_item_embeddings(model: TrainedModel, path: Path, version: int) -> Path
 
 
 def write_user_embeddings(
-    model: TrainedModel, user_ids: Sequence[str], path: Path, version: int
+    model: TrainedModel,
+    user_ids: Sequence[str],
+    path: Path,
+    version: int,
+    histories: Sequence[Sequence[str]] | None = None,
 ) -> Path:
-    """Write the query vectors of `user_ids` (unknown ids use OOV buckets) to `path`."""
+    """Write the query vectors of `user_ids` (with their item histories) to `path`.
+
+    Unknown ids use OOV buckets; `histories` (one per user, oldest first; None: empty) should
+    be each user's latest items, the query a request would make now.
+    """
     user_ids = list(user_ids)
+    if histories is not None and len(histories) != len(user_ids):
+        raise ValueError(f"{len(histories)} histories for {len(user_ids)} users")
     chunks = (
-        (ids, model.user_embeddings(ids))
-        for ids in (user_ids[i : i + _ENCODE_CHUNK] for i in range(0, len(user_ids), _ENCODE_CHUNK))
+        (
+            user_ids[i : i + _ENCODE_CHUNK],
+            model.user_embeddings(
+                user_ids[i : i + _ENCODE_CHUNK],
+                None if histories is None else histories[i : i + _ENCODE_CHUNK],
+            ),
+        )
+        for i in range(0, len(user_ids), _ENCODE_CHUNK)
     )
     return _write(Path(path), USER_ID, output_dim(model), version, chunks)
 
@@ -81,8 +97,7 @@ def read_embeddings(path: Path) -> tuple[list[str], np.ndarray, int]:
 
 def output_dim(model: TrainedModel) -> int:
     """Width of a tower's output: the last hidden layer, or the embedding size without an MLP."""
-    hidden = model.config.hidden_dims
-    return hidden[-1] if hidden else model.config.embedding_dim
+    return model.output_dim
 
 
 def _write(path: Path, id_column: str, dim: int, version: int, chunks: Iterable[Chunk]) -> Path:

@@ -4,7 +4,8 @@ Run as `python -I reload_check.py REQUEST.json` (by path, so the serving_export 
 recsys are never imported: the point is to prove the exports need nothing but TensorFlow, as
 in TF Serving). Keep this file free of project imports.
 
-REQUEST.json: {"models": {name: dir}, "user_ids": [str], "outputs": path.npz, "report": path.json}
+REQUEST.json: {"models": {name: dir}, "user_ids": [str], "histories": [[str]] (optional, one
+per user, padded here with ""), "outputs": path.npz, "report": path.json}
 Writes `<name>.<output>` arrays to the .npz (strings as unicode arrays, so no pickle is needed)
 and, per model, the serving_default signature's inputs and outputs to the report.
 """
@@ -39,7 +40,19 @@ def as_numpy(tensor: tf.Tensor) -> np.ndarray:
     return array
 
 
-def run_model(model_dir: str, user_ids: list[str]) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
+def padded(histories: list[list[str]], rows: int) -> tf.Tensor:
+    """[rows, longest] string tensor of the histories, right-padded with "" as clients do."""
+    width = max((len(h) for h in histories), default=0)
+    return tf.constant(
+        [h + [""] * (width - len(h)) for h in histories] or [[]] * rows,
+        dtype=tf.string,
+        shape=[rows, width],
+    )
+
+
+def run_model(
+    model_dir: str, user_ids: list[str], histories: list[list[str]] | None = None
+) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
     """Load one SavedModel, describe its serving signature and call it on `user_ids`."""
     start = time.perf_counter()
     loaded = tf.saved_model.load(model_dir)
@@ -47,7 +60,10 @@ def run_model(model_dir: str, user_ids: list[str]) -> tuple[dict[str, Any], dict
         raise KeyError(f"{model_dir}: no {SIGNATURE} signature (has {list(loaded.signatures)})")
     fn = loaded.signatures[SIGNATURE]
     _, inputs = fn.structured_input_signature
-    outputs = fn(user_id=tf.constant(user_ids, dtype=tf.string))
+    args = {"user_id": tf.constant(user_ids, dtype=tf.string)}
+    if "history" in inputs:
+        args["history"] = padded(histories or [[] for _ in user_ids], len(user_ids))
+    outputs = fn(**args)
     info = {
         "inputs": describe(inputs),
         "outputs": describe(fn.structured_outputs),
@@ -68,7 +84,7 @@ def main(argv: list[str]) -> int:
     report: dict[str, Any] = {"tensorflow": tf.__version__, "models": {}}
     arrays: dict[str, np.ndarray] = {}
     for name, model_dir in request["models"].items():
-        info, outputs = run_model(model_dir, request["user_ids"])
+        info, outputs = run_model(model_dir, request["user_ids"], request.get("histories"))
         report["models"][name] = info
         arrays.update({f"{name}.{key}": value for key, value in outputs.items()})
     # Evidence for the report that nothing from the project was needed to serve.

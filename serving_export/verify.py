@@ -2,8 +2,9 @@
 
 A child Python process (serving_export/reload_check.py, run by path in isolated mode) imports
 only TensorFlow, loads each SavedModel with tf.saved_model.load and calls serving_default on
-sample user ids, some of them unknown. This process compares the outputs with the in-memory
-model: embeddings with `model.user_embeddings`, retrieval with a numpy brute-force top-K over
+sample user ids, some of them unknown, each with a sample item history (empty, catalog items,
+unknown items). This process compares the outputs with the in-memory model: embeddings with
+`model.user_embeddings`, retrieval with a numpy brute-force top-K over
 `model.item_embeddings()`. `saved_model_cli show --all` runs alongside as a second opinion.
 """
 
@@ -28,7 +29,7 @@ import tensorflow as tf
 
 from recsys.errors import ExportVerificationError
 from recsys.model import TrainedModel
-from recsys.schema import USER_ID
+from recsys.schema import HISTORY, USER_ID
 from serving_export.embeddings import output_dim
 from serving_export.savedmodels import EMBEDDING, ITEM_IDS, MODEL_NAMES, QUERY, RETRIEVAL, SCORES
 
@@ -38,6 +39,10 @@ MAX_KNOWN_SAMPLE = 64
 # Several unknown ids so that more than one OOV bucket is exercised; "" is a real request too.
 UNKNOWN_USER_IDS = (*(f"__recsys_verify_unknown_{i}__" for i in range(8)), "")
 RELOAD_TIMEOUT_S = 600
+_INPUTS = {
+    HISTORY: {"dtype": "string", "shape": [None, None]},
+    USER_ID: {"dtype": "string", "shape": [None]},
+}
 CLI_TIMEOUT_S = 300
 
 
@@ -54,11 +59,12 @@ def verify_export(
         raise ValueError(f"exported must map some of {MODEL_NAMES} to dirs, got {sorted(exported)}")
     exported = {name: Path(path) for name, path in exported.items()}
     user_ids = sample_users(model, sample_user_ids)
-    child, outputs, cli_notes = _run_fresh_process_checks(exported, user_ids)
+    histories = sample_histories(model, len(user_ids))
+    child, outputs, cli_notes = _run_fresh_process_checks(exported, user_ids, histories)
     # CPU on both sides: GPUs default to TF32 matmuls (~1e-3 relative error), which would
     # swamp a 1e-5 tolerance; the artifact's correctness is not a property of the hardware.
     with tf.device("/CPU:0"):
-        queries = model.user_embeddings(user_ids)
+        queries = model.user_embeddings(user_ids, histories)
         items = model.item_embeddings()
     report: dict[str, Any] = {
         "tolerance": tolerance,
@@ -91,7 +97,7 @@ def verify_export(
 
 
 def _run_fresh_process_checks(
-    exported: dict[str, Path], user_ids: list[str]
+    exported: dict[str, Path], user_ids: list[str], histories: list[list[str]]
 ) -> tuple[dict[str, Any], dict[str, np.ndarray], dict[str, tuple[str, str | None]]]:
     """The reload child's report and outputs, and saved_model_cli's verdict per model.
 
@@ -102,7 +108,7 @@ def _run_fresh_process_checks(
             name: _start_cli(path, Path(tmp) / f"{name}.cli.txt") for name, path in exported.items()
         }
         try:
-            child, outputs = _reload_in_fresh_process(exported, user_ids, Path(tmp))
+            child, outputs = _reload_in_fresh_process(exported, user_ids, histories, Path(tmp))
         except BaseException:
             _kill_cli(cli.values())
             raise
@@ -116,6 +122,20 @@ def sample_users(model: TrainedModel, given: Sequence[str] | None = None) -> lis
         given = [model.users[i] for i in np.unique(spread.astype(np.int64))]
     vocab = set(model.users)
     return list(given) + [uid for uid in UNKNOWN_USER_IDS if uid not in vocab]
+
+
+def sample_histories(model: TrainedModel, n: int) -> list[list[str]]:
+    """Deterministic histories for n sample users: empty, short, over-long, with unknown ids."""
+    items = model.items
+    longest = model.config.history_length + 3  # longer than kept: truncation is checked too
+    histories = []
+    for row in range(n):
+        size = (0, 1, 3, longest)[row % 4]
+        history = [items[(row * 7 + j * 3) % len(items)] for j in range(size)] if items else []
+        if row % 5 == 2:
+            history.append(f"__recsys_verify_unknown_item_{row}__")
+        histories.append(history)
+    return histories
 
 
 def compare_topk(
@@ -169,7 +189,7 @@ def _check_query(
     dim = output_dim(model)
     problems = _signature_problems(
         child,
-        {USER_ID: {"dtype": "string", "shape": [None]}},
+        _INPUTS,
         {EMBEDDING: {"dtype": "float32", "shape": [None, dim]}},
     )
     got = outputs[f"{QUERY}.{EMBEDDING}"]
@@ -196,7 +216,7 @@ def _check_retrieval(
     k = got_scores.shape[1] if got_scores.ndim == 2 else -1
     problems = _signature_problems(
         child,
-        {USER_ID: {"dtype": "string", "shape": [None]}},
+        _INPUTS,
         {
             ITEM_IDS: {"dtype": "string", "shape": [None, k]},
             SCORES: {"dtype": "float32", "shape": [None, k]},
@@ -220,12 +240,13 @@ def _signature(child: dict[str, Any]) -> dict[str, Any]:
 
 
 def _reload_in_fresh_process(
-    exported: dict[str, Path], user_ids: list[str], tmp: Path
+    exported: dict[str, Path], user_ids: list[str], histories: list[list[str]], tmp: Path
 ) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
     """Run reload_check.py in a new interpreter; return its report and output arrays."""
     request = {
         "models": {name: str(path) for name, path in exported.items()},
         "user_ids": user_ids,
+        "histories": histories,
         "outputs": str(tmp / "outputs.npz"),
         "report": str(tmp / "report.json"),
     }

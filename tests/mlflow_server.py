@@ -45,10 +45,15 @@ def mlflow_executable() -> str:
 
 
 @contextmanager
-def mlflow_server(root: Path, *, timeout_s: float = 120.0) -> Iterator[MlflowServer]:
-    """Start `mlflow server` under `root`, wait until /health answers, stop its process group."""
+def mlflow_server(
+    root: Path, *, timeout_s: float = 120.0, port: int | None = None
+) -> Iterator[MlflowServer]:
+    """Start `mlflow server` under `root`, wait until /health answers, stop its process group.
+
+    `port` pins the port (e.g. a server "coming back" where clients expect it); default: free.
+    """
     root.mkdir(parents=True, exist_ok=True)
-    port = free_port()
+    port = port or free_port()
     artifacts = root / "artifacts"
     log = root / "server.log"
     command = [

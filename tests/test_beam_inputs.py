@@ -30,7 +30,8 @@ def split_rows(out: Path, split: str) -> list[Row]:
     """A split's examples, decoded with recsys.schema.decode_example, sorted."""
     files = sorted(str(p) for p in out.glob(f"{split}-*.tfrecord.gz"))
     records = tf.data.TFRecordDataset(files, compression_type="GZIP")
-    return sorted(tuple(decode_example(r.numpy()).values()) for r in records)  # type: ignore[misc]
+    # (user, item, timestamp, weight): the history feature has its own tests.
+    return sorted(tuple(decode_example(r.numpy()).values())[:4] for r in records)  # type: ignore[misc]
 
 
 def rejected(out: Path) -> list[dict]:
@@ -107,13 +108,29 @@ def test_movielens_folder_reads_only_u_data(tmp_path: Path) -> None:
     folder.mkdir()
     rows = user_log("196", 5) + user_log("22", 1)
     (folder / "u.data").write_text("".join(f"{u}\t{i[1:]}\t{int(w)}\t{t}\n" for u, i, t, w in rows))
-    (folder / "u.item").write_text("1|Toy Story (1995)|01-Jan-1995||http://x|0|0|0\n")
-    cfg = parse_config({"data": {"source": "movielens-100k", "path": str(folder)}})
+    # u.item (latin-1, genre flags named by u.genre) is joined automatically; item 9 is unknown.
+    flags = {"0": "0|1|0", "1": "1|0|1"}
+    items = "".join(
+        f"{j}|Caf\xe9 {j} (1995)|01-Jan-1995||http://x|{flags.get(str(j), '0|0|0')}\n"
+        for j in range(5)
+    )
+    (folder / "u.item").write_bytes(items.encode("latin-1"))
+    (folder / "u.genre").write_text("unknown|0\nAction|1\nAdventure|2\n\n")
+    (folder / "u.data").write_text((folder / "u.data").read_text() + f"22\t9\t3\t{T}\n")
+    cfg = parse_config({"data": {"source": "movielens-100k", "path": str(folder)},
+                        "preprocess": {"max_rejected_fraction": 0.5}})  # fmt: skip
     out = tmp_path / "out"
     stats = run_preprocess(cfg, folder, out, RUN_DATE)
-    assert stats["input_rows"] == 6 and stats["rejected"] == 0 and stats["eval_users"] == 1
+    assert stats["input_rows"] == 7 and stats["eval_users"] == 1
+    assert stats["rejected_by_reason"] == {"unknown_item": 1}
     assert split_rows(out, "test") == [("196", "4", T + 240, 5.0)]  # the rating is the weight
     assert (out / "vocab" / "users.txt").read_text().splitlines() == ["196", "22"]
+    features = pq.read_table(out / "item_features.parquet").to_pylist()
+    by_id = {f["item_id"]: f for f in features}
+    assert [f["item_id"] for f in features] == (out / "vocab" / "items.txt").read_text().split()
+    assert by_id["0"]["genres"] == ["Action"] and by_id["0"]["title"] == "Caf\xe9 0 (1995)"
+    assert by_id["1"]["genres"] == ["unknown", "Adventure"]
+    assert by_id["2"]["genres"] == []
     assert (out / SUCCESS).is_file()
 
 

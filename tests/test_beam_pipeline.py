@@ -87,6 +87,16 @@ def split_rows(out: Path, split: str) -> set[Row]:
     return {(u.decode(), i.decode(), t, w) for u, i, t, w in zip(*columns, weights, strict=True)}
 
 
+def output_bytes(out: Path) -> dict[str, bytes]:
+    """Every data file's bytes (stats.json holds paths, _SUCCESS nothing; rejected may reorder)."""
+    skip = {"stats.json", SUCCESS}
+    return {
+        str(p.relative_to(out)): p.read_bytes()
+        for p in sorted(out.rglob("*"))
+        if p.is_file() and p.name not in skip and p.parent.name != "rejected"
+    }
+
+
 def test_output_layout_and_shards(run: tuple) -> None:
     out, _ = run
     names = {p.name for p in out.iterdir()}
@@ -166,9 +176,11 @@ def test_rerun_replaces_the_output_with_the_same_fingerprint(
     out = tmp_path / "data" / "day"
     first = run_preprocess(small_config, small_csv, out, last_day(small_config))
     assert first["rejected"] == 0 and first["accepted"] > 0
+    first_bytes = output_bytes(out)
     (out / "stale-file").write_text("from an older run")
     second = run_preprocess(small_config, small_csv, out, last_day(small_config))
     assert second == first
+    assert output_bytes(out) == first_bytes  # byte-identical TFRecords, vocab and features
     assert not (out / "stale-file").exists() and (out / SUCCESS).is_file()
     assert [p.name for p in out.parent.iterdir()] == [out.name]
 
@@ -180,6 +192,9 @@ def test_multi_processing_runner_gives_the_same_data(
     args = ["--direct_running_mode=multi_processing", "--direct_num_workers=2"]
     stats = run_preprocess(config, raw_csv, tmp_path / "mp", last_day(config), beam_args=args)
     assert stats["fingerprint"] == run[1]["fingerprint"]
+    tfrecords = output_bytes(run[0])
+    assert sum(name.endswith(".tfrecord.gz") for name in tfrecords) == 3 * SHARDS
+    assert output_bytes(tmp_path / "mp") == tfrecords
 
 
 @pytest.mark.slow

@@ -13,6 +13,7 @@ from beam_jobs import records as r
 from beam_jobs.inputs import InputFile, list_input_files
 from beam_jobs.pipeline import quality_failure
 from beam_jobs.readers import MOVIELENS_COLUMNS, ReadSpec, read_delimited, read_parquet, read_spec
+from beam_jobs.records import raw_text
 from beam_jobs.split import dedupe, split_names
 from beam_jobs.stats import ReconciliationError, assemble_stats, check_reconciled, fingerprint
 from beam_jobs.validation import InvalidValue, parse_id, parse_timestamp, parse_weight, validate
@@ -179,8 +180,11 @@ def test_read_spec_per_source() -> None:
         ";",
     )
     assert read_spec(DataConfig(source="parquet", path="x")).format == "parquet"
-    with pytest.raises(ConfigError, match="one character"):
-        read_spec(DataConfig(source="csv", path="x", delimiter="tab"))
+    assert read_spec(DataConfig(source="csv", path="x", delimiter="tab")).delimiter == "\t"
+    assert read_spec(DataConfig(source="movielens-1m", path="x")).delimiter == "::"
+    assert read_spec(DataConfig(source="jsonl", path="x")).format == "jsonl"
+    with pytest.raises(ConfigError, match="cannot separate fields"):
+        read_spec(DataConfig(source="csv", path="x", delimiter="\n"))
 
 
 def test_read_delimited_keeps_physical_line_numbers_and_raw_text(tmp_path: Path) -> None:
@@ -239,7 +243,7 @@ def test_read_parquet_in_batches_with_row_numbers(
         (2, ("u2", 2, 20, None)),
         (3, ("u3", 3, 30, None)),
     ]
-    assert json.loads(out[2][3]) == {"user_id": "u3", "item_id": 3, "timestamp": 30}
+    assert json.loads(raw_text(out[2][3])) == {"user_id": "u3", "item_id": 3, "timestamp": 30}
 
 
 def test_read_parquet_timestamp_columns(tmp_path: Path) -> None:
@@ -248,7 +252,7 @@ def test_read_parquet_timestamp_columns(tmp_path: Path) -> None:
     pq.write_table(pa.table({"user_id": ["u"], "item_id": ["i"], "timestamp": when}), path)
     (row,) = read_parquet(str(path), CSV_SPEC)
     assert parse_timestamp(row[2][2]) == 1767571200
-    assert json.loads(row[3])["timestamp"].startswith("2026-01-05 00:00:00")
+    assert json.loads(raw_text(row[3]))["timestamp"].startswith("2026-01-05 00:00:00")
 
 
 def test_read_parquet_bad_files_are_rejections(tmp_path: Path) -> None:

@@ -31,10 +31,17 @@ def build_model(seed: int, users: list[str] = USERS) -> TrainedModel:
     return TrainedModel.build(users, ITEMS, CONFIG)
 
 
-def serve(model_dir: Path, user_ids: list[str]) -> dict[str, np.ndarray]:
-    """Call serving_default of an exported model in this process."""
+def serve(
+    model_dir: Path, user_ids: list[str], history: list[list[str]] | None = None
+) -> dict[str, np.ndarray]:
+    """Call serving_default of an exported model in this process ("" pads the histories)."""
     fn = tf.saved_model.load(str(model_dir)).signatures["serving_default"]
-    return {k: v.numpy() for k, v in fn(user_id=tf.constant(user_ids)).items()}
+    history = history or [[] for _ in user_ids]
+    width = max(len(h) for h in history)
+    padded = tf.constant(
+        [h + [""] * (width - len(h)) for h in history], tf.string, shape=[len(user_ids), width]
+    )
+    return {k: v.numpy() for k, v in fn(user_id=tf.constant(user_ids), history=padded).items()}
 
 
 @pytest.fixture(scope="module")
@@ -75,7 +82,10 @@ def test_verify_passes_in_a_fresh_process(report: dict) -> None:
     assert retrieval["topk_id_mismatches"] == 0
     assert retrieval["k"] == TOP_K
     assert query["signature"] == {
-        "inputs": {"user_id": {"dtype": "string", "shape": [None]}},
+        "inputs": {
+            "history": {"dtype": "string", "shape": [None, None]},
+            "user_id": {"dtype": "string", "shape": [None]},
+        },
         "outputs": {"embedding": {"dtype": "float32", "shape": [None, 6]}},
     }
     assert retrieval["signature"]["outputs"] == {
@@ -205,3 +215,46 @@ def test_export_rejects_bad_arguments(
     with pytest.raises(ValueError):
         export_savedmodels(model, tmp_path, version, top_k)
     assert not any(tmp_path.iterdir())
+
+
+def test_history_input_matches_the_in_memory_model(
+    model: TrainedModel, exported: dict[str, Path]
+) -> None:
+    long = [ITEMS[i % len(ITEMS)] for i in range(CONFIG.history_length + 7)]
+    histories = [[], ["item-3"], ["item-1", "unknown-item", "item-9"], long, ["", "item-2"]]
+    ids = ["u1", "u1", "u2", "u3", "new-user"]
+    got = serve(exported[QUERY], ids, histories)["embedding"]
+    np.testing.assert_allclose(got, model.user_embeddings(ids, histories), atol=TOL)
+    # The history moves the query; only its last history_length ids count; "" is padding.
+    assert np.abs(got[1] - got[0]).max() > 1e-3
+    kept = model.user_embeddings(["u3"], [long[-CONFIG.history_length :]])
+    np.testing.assert_allclose(got[3:4], kept, atol=TOL)
+    np.testing.assert_allclose(
+        got[4:5], model.user_embeddings(["new-user"], [["item-2"]]), atol=TOL
+    )
+    ranked = serve(exported[RETRIEVAL], ids, histories)
+    scores = model.user_embeddings(ids, histories) @ model.item_embeddings().T
+    np.testing.assert_allclose(ranked["scores"], -np.sort(-scores, axis=1)[:, :TOP_K], atol=TOL)
+
+
+def test_item_features_are_baked_into_the_export(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from recsys.model import ItemFeatures
+
+    features = ItemFeatures(
+        ids={"genres": np.array([[i % 3, -1] for i in range(len(ITEMS))], np.int32)},
+        vocab={"genres": ["a", "b", "c"]},
+    )
+    tf.keras.utils.set_random_seed(5)
+    featured = TrainedModel.build(USERS, ITEMS, CONFIG, features)
+    exported = export_savedmodels(featured, tmp_path, 1, TOP_K)
+    monkeypatch.setattr(verify, "SAVED_MODEL_CLI", tmp_path / "missing")  # speed only
+    report = verify_export(featured, exported, TOL)
+    assert report["models"][QUERY]["max_abs_diff_embedding"] <= TOL
+    assert report["models"][RETRIEVAL]["topk_id_mismatches"] == 0
+    # The baked genre table moves the candidates: blanking it changes every embedding.
+    before = featured.item_embeddings()
+    table = featured.candidate_tower.feature_ids["genres"]
+    table.assign(tf.fill(table.shape, -1))
+    assert (np.abs(featured.item_embeddings() - before).max(axis=1) > 1e-4).all()

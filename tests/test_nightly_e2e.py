@@ -143,14 +143,24 @@ def test_savedmodels_reload_in_a_fresh_process(nightly: tuple[Path, str], tmp_pa
     ids = users["user_id"].to_pylist()[:20]
     expected_users = np.stack(users["embedding"].to_numpy(zero_copy_only=False)[:20])
     item_vectors = np.stack(items["embedding"].to_numpy(zero_copy_only=False))
+    # users.parquet holds each user's vector with their latest items: send the same history
+    # ("" pads the rows, as a TF Serving client would).
+    from recsys.config import ModelConfig
+    from recsys.training.dataset import latest_histories
+
+    length = ModelConfig.model_validate(SMALL["model"]).history_length
+    hist = latest_histories(work / "data" / SMALL_DATE, ids, length)
+    width = max(len(h) for h in hist)
+    hist = [h + [""] * (width - len(h)) for h in hist]
     child = textwrap.dedent(f"""
         import json, sys
         import tensorflow as tf
         ids = tf.constant({ids!r})
+        hist = tf.constant({hist!r}, tf.string, shape=[{len(ids)}, {width}])
         q = tf.saved_model.load({str(work / "export" / "query" / version_dir.name)!r})
         r = tf.saved_model.load({str(work / "export" / "retrieval" / version_dir.name)!r})
-        emb = q.signatures["serving_default"](user_id=ids)["embedding"].numpy()
-        top = r.signatures["serving_default"](user_id=ids)
+        emb = q.signatures["serving_default"](user_id=ids, history=hist)["embedding"].numpy()
+        top = r.signatures["serving_default"](user_id=ids, history=hist)
         json.dump({{"embedding": emb.tolist(), "scores": top["scores"].numpy().tolist(),
                    "item_ids": [[x.decode() for x in row] for row in top["item_ids"].numpy()]}},
                   sys.stdout)

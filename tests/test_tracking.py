@@ -56,7 +56,9 @@ def _artifacts(root: Path) -> list[Path]:
 
 
 def _with_tracking(config: RecsysConfig, uri: str | None, experiment: str) -> RecsysConfig:
-    return config.model_copy(update={"tracking": TrackingConfig(uri=uri, experiment=experiment)})
+    # A short probe backoff: the unreachable-server test need not wait 1 + 2 + 4 s.
+    tracking = TrackingConfig(uri=uri, experiment=experiment, backoff_seconds=0.1)
+    return config.model_copy(update={"tracking": tracking})
 
 
 def _log(config: RecsysConfig, workdir: Path, **overrides: object) -> str:
@@ -159,7 +161,7 @@ def test_unreachable_server_raises_tracking_error(
         with pytest.raises(TrackingError) as caught:
             _log(config, tmp_path)
     message = str(caught.value)
-    assert f"http://127.0.0.1:{port}" in message
+    assert f"http://127.0.0.1:{port}" in message and "after 4 attempts" in message
     assert "outputs on disk" in message and "intact" in message
     assert SECRET not in message
 
@@ -223,3 +225,72 @@ def test_bad_inputs_fail_before_anything_is_written(
     with pytest.raises(TrackingError, match=fragment):
         _log(small_config, tmp_path, **overrides)
     assert not (tmp_path / "mlflow").exists()
+
+
+def test_rerun_is_idempotent_and_a_new_config_is_a_new_run(
+    server: MlflowServer, small_config: RecsysConfig, tmp_path: Path
+) -> None:
+    config = _with_tracking(small_config, server.uri, "exp-idempotent")
+    first = _log(config, tmp_path / "a", dataset_source=str(tmp_path / "data"))
+    again = _log(config, tmp_path / "b", dataset_source=str(tmp_path / "data"))
+    assert again == first
+    client = MlflowClient(server.uri)
+    experiment = client.get_experiment_by_name("exp-idempotent")
+    assert experiment is not None
+    assert len(client.search_runs([experiment.experiment_id])) == 1
+    assert len(client.get_metric_history(first, "loss")) == 3  # not logged twice
+    run = client.get_run(first)
+    assert [d.dataset.digest for d in run.inputs.dataset_inputs] == ["fp-1234"]
+    assert run.data.tags["recsys.logged"] == "true"
+
+    epochs = small_config.training.model_copy(update={"epochs": 7})
+    other = _with_tracking(
+        small_config.model_copy(update={"training": epochs}), server.uri, "exp-idempotent"
+    )
+    assert _log(other, tmp_path / "c") != first
+    assert len(client.search_runs([experiment.experiment_id])) == 2
+
+
+def test_an_interrupted_run_is_finished_not_duplicated(
+    server: MlflowServer, small_config: RecsysConfig, tmp_path: Path
+) -> None:
+    config = _with_tracking(small_config, server.uri, "exp-resume")
+    client = MlflowClient(server.uri)
+    experiment_id = client.create_experiment("exp-resume")
+    # What a crash half-way leaves: the run exists with its identity and some metrics.
+    identity = {
+        "run_date": RUN_DATE.isoformat(),
+        "config_digest": config.digest(),
+        "data_fingerprint": STATS["fingerprint"],
+    }
+    crashed = client.create_run(experiment_id, tags=identity).info.run_id
+    client.log_metric(crashed, "loss", 3.0, step=0)
+    assert _log(config, tmp_path) == crashed
+    run = client.get_run(crashed)
+    assert run.info.status == "FINISHED" and run.data.tags["recsys.logged"] == "true"
+    assert len(client.get_metric_history(crashed, "loss")) == 1  # kept, not duplicated
+    assert run.data.metrics["recall_at_10"] == 0.25
+    assert len(client.search_runs([experiment_id])) == 1
+
+
+def test_ab_record_logs_online_metrics_per_variant(
+    server: MlflowServer, small_config: RecsysConfig, tmp_path: Path
+) -> None:
+    from recsys.tracking import record_ab_metric
+
+    config = _with_tracking(small_config, server.uri, "unused")
+    kwargs = {"experiment": "homepage", "metric": "ctr"}
+    a1 = record_ab_metric(config, tmp_path, variant="A", value=0.031, **kwargs)
+    a2 = record_ab_metric(
+        config, tmp_path, variant="A", value=0.033, date=dt.date(2026, 1, 6), **kwargs
+    )
+    b1 = record_ab_metric(config, tmp_path, variant="B", value=0.036, model_run_id="abc", **kwargs)
+    assert a1 == a2 != b1
+    client = MlflowClient(server.uri)
+    history = client.get_metric_history(a1, "ctr")
+    assert sorted((m.step, m.value) for m in history) == [(0, 0.031), (1, 0.033)]
+    run_b = client.get_run(b1)
+    assert run_b.data.tags["ab.variant"] == "B" and run_b.data.tags["offline_run_id"] == "abc"
+    assert client.get_experiment(run_b.info.experiment_id).name == "ab-homepage"
+    with pytest.raises(TrackingError, match="not valid"):
+        record_ab_metric(config, tmp_path, variant="A", value=1.0, experiment="x", metric="c#tr")

@@ -11,7 +11,14 @@ import tensorflow as tf
 import recsys  # noqa: F401  (sets TF_USE_LEGACY_KERAS before TensorFlow is imported)
 from recsys import schema
 from recsys.errors import StageNotReadyError
-from recsys.model import ITEM_INDEX, ITEM_LOG_PROB, USER_INDEX, TrainedModel
+from recsys.model import (
+    HISTORY_INDEX,
+    ITEM_INDEX,
+    ITEM_LOG_PROB,
+    PAD,
+    USER_INDEX,
+    TrainedModel,
+)
 
 
 def split_files(data_dir: Path, split: str) -> list[str]:
@@ -27,18 +34,24 @@ def read_examples(
     batch_size: int,
     shuffle_buffer: int | None = None,
     seed: int | None = None,
+    deterministic: bool = True,
+    drop_remainder: bool = False,
 ) -> tf.data.Dataset:
-    """Batches of parsed examples (dict of name -> [batch] tensor).
+    """Batches of parsed examples (dict of name -> [batch] tensor, lists ragged [batch, None]).
 
     Batching before `parse_example` parses a whole batch in one op, several times faster than
-    parsing example by example.
+    parsing example by example. With `deterministic` and a seed the order is reproducible;
+    without, tf.data may reorder parallel work for speed.
     """
     ds = tf.data.TFRecordDataset(files, compression_type="GZIP", num_parallel_reads=len(files))
     if shuffle_buffer:
         ds = ds.shuffle(shuffle_buffer, seed=seed, reshuffle_each_iteration=True)
-    ds = ds.batch(batch_size)
+    ds = ds.batch(batch_size, drop_remainder=drop_remainder)
     spec = schema.feature_spec()
-    return ds.map(lambda b: tf.io.parse_example(b, spec), num_parallel_calls=tf.data.AUTOTUNE)
+    ds = ds.map(lambda b: tf.io.parse_example(b, spec), num_parallel_calls=tf.data.AUTOTUNE)
+    options = tf.data.Options()
+    options.deterministic = deterministic
+    return ds.with_options(options)
 
 
 def item_log_probabilities(data_dir: Path, model: TrainedModel) -> np.ndarray:
@@ -57,24 +70,45 @@ def training_dataset(
     batch_size: int,
     shuffle_buffer: int | None = None,
     seed: int | None = None,
+    deterministic: bool = True,
+    drop_remainder: bool = False,
 ) -> tf.data.Dataset:
-    """Model-ready batches {user_index, item_index, item_log_prob}; ids are looked up here.
+    """Model-ready batches {user_index, history_index, item_index, item_log_prob}.
 
-    Doing the string lookup in tf.data keeps the model itself numeric (see GOTCHAS: jit).
+    Ids are looked up here, so the model itself stays numeric (see GOTCHAS: jit). The history
+    keeps its last `history_length` ids, as a dense [batch, history_length] matrix padded with
+    PAD (so batches have a static shape); unknown ids hash to the OOV buckets.
     """
     user_lookup, item_lookup = model.user_lookup(), model.item_lookup()
     log_q = tf.constant(item_log_probabilities(data_dir, model))
+    length = model.config.history_length
 
     def to_indices(batch: dict[str, tf.Tensor]) -> dict[str, tf.Tensor]:
         items = item_lookup(batch[schema.ITEM_ID])
-        return {
+        out = {
             USER_INDEX: user_lookup(batch[schema.USER_ID]),
             ITEM_INDEX: items,
             ITEM_LOG_PROB: tf.gather(log_q, items),
         }
+        if length:
+            out[HISTORY_INDEX] = history_indices(batch[schema.HISTORY], item_lookup, length)
+        return out
 
-    ds = read_examples(split_files(data_dir, split), batch_size, shuffle_buffer, seed)
+    files = split_files(data_dir, split)
+    ds = read_examples(files, batch_size, shuffle_buffer, seed, deterministic, drop_remainder)
     return ds.map(to_indices, num_parallel_calls=tf.data.AUTOTUNE).prefetch(tf.data.AUTOTUNE)
+
+
+def history_indices(
+    history: tf.RaggedTensor, lookup: tf.keras.layers.StringLookup, length: int
+) -> tf.Tensor:
+    """Ragged [batch, None] id strings -> [batch, length] int64: the last `length`, PAD-filled.
+
+    Empty strings (the serving signature's padding) are dropped first.
+    """
+    history = tf.ragged.boolean_mask(history, tf.not_equal(history, ""))[:, -length:]
+    indices = tf.ragged.map_flat_values(lookup, history)
+    return indices.to_tensor(default_value=tf.constant(PAD, tf.int64), shape=[None, length])
 
 
 def load_split(data_dir: Path, split: str, batch_size: int = 65536) -> dict[str, np.ndarray]:
@@ -96,3 +130,29 @@ def _to_numpy(value: tf.Tensor | tf.RaggedTensor) -> np.ndarray:
     out = np.empty(len(rows), dtype=object)
     out[:] = rows
     return out
+
+
+def latest_histories(data_dir: Path, users: list[str], length: int) -> list[list[str]]:
+    """Per user (in `users` order): their last `length` items over every split, oldest first.
+
+    Ordered by (timestamp, item id), the protocol's order: the history a query made tonight
+    would carry.
+    """
+    parts = [load_split(data_dir, split) for split in schema.SPLITS]
+    user = _decoded([u for p in parts for u in p[schema.USER_ID]])
+    item = _decoded([i for p in parts for i in p[schema.ITEM_ID]])
+    stamp = np.array([t for p in parts for t in p[schema.TIMESTAMP]], dtype=np.int64)
+    if not len(user):
+        return [[] for _ in users]
+    order = np.lexsort((item, stamp, user))
+    user, item = user[order], item[order]
+    starts = np.flatnonzero(np.r_[True, user[1:] != user[:-1]])
+    ends = np.r_[starts[1:], len(user)]
+    by_user = {
+        user[s]: item[max(s, e - length) : e].tolist() for s, e in zip(starts, ends, strict=True)
+    }
+    return [by_user.get(u, []) for u in users]
+
+
+def _decoded(values: list[bytes | str]) -> np.ndarray:
+    return np.array([v.decode("utf-8") if isinstance(v, bytes) else v for v in values], dtype=str)

@@ -1,0 +1,136 @@
+"""Training throughput across device layouts and precisions, measured in one run.
+
+Made for a machine with GPUs and TensorFlow (the CI machine has neither): it trains our
+two-tower model on a generated log with every combination of
+
+    precision in {float32, mixed_float16 (GPU) | mixed_bfloat16 (CPU)}
+    strategy  in {one_device, mirrored (all GPUs; skipped with fewer than 2)}
+
+and reports examples/s after the first epoch (the first includes tracing) and the ratio of
+each variant to float32 on one device. On CPU it still runs (`--smoke`, small data), which is
+how the script itself is kept working.
+
+Usage (GPU host, from the repository root, after `make install`):
+    .venv/bin/python benchmarks/train_devices.py --users 200000 --items 50000 \
+        --per-user 50 --epochs 3 --batch-size 8192 --out benchmarks/results/train_devices.json
+    .venv/bin/python benchmarks/train_devices.py --smoke        # CPU, about a minute
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import logging
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import recsys  # noqa: F401  (sets TF_USE_LEGACY_KERAS before TensorFlow is imported)
+
+# isort: split
+import tensorflow as tf
+
+from recsys import stages
+from recsys.config import RecsysConfig, parse_config
+from recsys.layout import Workdir
+
+
+def base_config(args: argparse.Namespace) -> RecsysConfig:
+    """A synthetic-data config sized by the command line."""
+    days = 14
+    return parse_config(
+        {
+            "model_name": "device-benchmark",
+            "data": {
+                "source": "synthetic",
+                "synthetic": {
+                    "num_users": args.users,
+                    "num_items": args.items,
+                    "mean_interactions_per_user": args.per_user,
+                    "days": days,
+                    "start_date": "2026-01-01",
+                },
+            },
+            "training": {
+                "epochs": args.epochs,
+                "batch_size": args.batch_size,
+                "learning_rate": args.learning_rate,
+            },
+        }
+    )
+
+
+def variants(gpus: int) -> list[tuple[str, str]]:
+    """(strategy, precision) pairs this machine can run."""
+    low = "mixed_float16" if gpus else "mixed_bfloat16"
+    out = [("one_device", "float32"), ("one_device", low)]
+    if gpus >= 2:
+        out += [("mirrored", "float32"), ("mirrored", low)]
+    return out
+
+
+def run_variant(
+    config: RecsysConfig, workdir: Workdir, data_dir: Path, strategy: str, precision: str
+) -> dict[str, Any]:
+    """Train once with the given layout; examples/s over the epochs after the first."""
+    training = config.training.model_copy(update={"strategy": strategy, "precision": precision})
+    config = config.model_copy(update={"training": training})
+    _, result = stages.train(config, workdir, DATE, data_dir)
+    return {
+        "strategy": result.strategy,
+        "replicas": result.replicas,
+        "precision": result.precision,
+        "examples_per_second": round(result.steady_examples_per_second),
+        "final_loss": round(result.history["loss"][-1], 4),
+    }
+
+
+DATE = dt.date(2026, 1, 14)
+
+
+def main() -> int:
+    """Run every variant and print/write the results."""
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--users", type=int, default=200_000)
+    parser.add_argument("--items", type=int, default=50_000)
+    parser.add_argument("--per-user", type=float, default=50)
+    parser.add_argument("--epochs", type=int, default=3)
+    parser.add_argument("--batch-size", type=int, default=8192)
+    parser.add_argument("--learning-rate", type=float, default=0.01)
+    parser.add_argument("--smoke", action="store_true", help="tiny data for a CPU check")
+    parser.add_argument("--out", default=None)
+    args = parser.parse_args()
+    if args.smoke:
+        args.users, args.items, args.per_user, args.epochs, args.batch_size = 500, 200, 10, 2, 256
+    logging.basicConfig(level=logging.WARNING)
+    gpus = len(tf.config.list_physical_devices("GPU"))
+    config = base_config(args)
+    results: dict[str, Any] = {
+        "gpus": gpus,
+        "tensorflow": tf.__version__,
+        "args": vars(args),
+        "variants": [],
+    }
+    with tempfile.TemporaryDirectory() as tmp:
+        workdir = Workdir(Path(tmp))
+        data_dir, stats = stages.preprocess(config, workdir, DATE)
+        results["train_examples"] = stats["splits"]["train"]
+        for strategy, precision in variants(gpus):
+            results["variants"].append(run_variant(config, workdir, data_dir, strategy, precision))
+    reference = results["variants"][0]["examples_per_second"]
+    for variant in results["variants"]:
+        variant["speedup_vs_float32_one_device"] = round(
+            variant["examples_per_second"] / reference, 2
+        )
+    text = json.dumps(results, indent=2)
+    if args.out:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(text + "\n")
+    print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,365 @@
+"""After export: log the run -> register a version -> set `challenger` -> gate -> promote or keep.
+
+Everything is read back from the run folder (train.json, history.json, metrics.json,
+export.json, per_user_eval.parquet), so `recsys sync --date D` can publish a run later, after
+the tracking server was down: a pending marker (`mlflow_pending.json`) stays in the run folder
+until the whole sequence succeeded. Every step is idempotent (see docs/TRACKING.md).
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import hashlib
+import json
+import logging
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pyarrow.parquet as pq
+from mlflow import MlflowClient
+
+from recsys import gate, registry
+from recsys.config import RecsysConfig
+from recsys.errors import StageNotReadyError, TrackingError
+from recsys.layout import Workdir
+from recsys.tracking import (
+    _TRACKING_FAILURES,
+    DEFAULT_DEVICE,
+    Artifact,
+    _tracking_error,
+    bounded_http_retries,
+    connect,
+    log_nightly_run,
+    resolve_tracking_uri,
+)
+
+log = logging.getLogger(__name__)
+
+PENDING = "mlflow_pending.json"
+MANIFEST = "embeddings_manifest.json"
+GATE_JSON = "gate.json"
+# Where the champion's per-user values on today's data are written (and logged).
+GATE_DIR = "gate"
+
+
+@dataclass
+class PublishResult:
+    """What publishing one run to MLflow did."""
+
+    mlflow_run_id: str
+    version: str
+    decision: gate.GateDecision
+    champion_version: str
+
+
+def device_layout(trained: Any) -> dict[str, str]:
+    """Strategy / replicas / precision of a training result, else the one-device default."""
+    return {
+        key: str(getattr(trained, key, None) or default) for key, default in DEFAULT_DEVICE.items()
+    }
+
+
+def _device_of_run(run_dir: Path) -> dict[str, str]:
+    """The device layout train.json recorded (newer trainers write it), else the default."""
+    train = json.loads((run_dir / "train.json").read_text())
+    return {key: str(train.get(key) or default) for key, default in DEFAULT_DEVICE.items()}
+
+
+def pending_runs(workdir: Workdir, date: dt.date) -> list[Path]:
+    """The date's run folders still waiting to be published to MLflow."""
+    return sorted(p.parent for p in workdir.runs(date).glob(f"*/{PENDING}"))
+
+
+def publish_run(
+    config: RecsysConfig,
+    workdir: Workdir,
+    date: dt.date,
+    run_dir: Path,
+    *,
+    timings: dict[str, float] | None = None,
+    device: dict[str, str] | None = None,
+    force_promote: bool = False,
+    tracking_uri: str | None = None,
+) -> PublishResult:
+    """Log, register, gate and promote one finished run; a pending marker is left on failure."""
+    needed = ["train.json", "history.json", "metrics.json", "export.json", "per_user_eval.parquet"]
+    missing = [name for name in needed if not (run_dir / name).is_file()]
+    if missing:
+        raise StageNotReadyError(
+            f"{run_dir} lacks {missing}: run `recsys evaluate` and `recsys export` for it first"
+        )
+    marker = run_dir / PENDING
+    state = json.loads(marker.read_text()) if marker.is_file() else {}
+    state = {
+        "date": date.isoformat(),
+        "timings": timings if timings is not None else state.get("timings", {}),
+        "device": device or state.get("device") or _device_of_run(run_dir),
+        "force_promote": force_promote or bool(state.get("force_promote")),
+        "last_error": state.get("last_error"),
+    }
+    _write_json(marker, state)
+    uri = tracking_uri or resolve_tracking_uri(config, workdir.root)
+    try:
+        with bounded_http_retries():
+            result = _publish(config, workdir, date, run_dir, state, uri)
+    except (TrackingError, *_TRACKING_FAILURES) as exc:
+        error = exc if isinstance(exc, TrackingError) else _tracking_error(uri, workdir.root, exc)
+        _write_json(marker, {**state, "last_error": str(error)})
+        raise TrackingError(
+            f"{error}. Pending marker left at {marker}: run `recsys sync --date {date}` once "
+            "the server is back"
+        ) from None
+    marker.unlink()
+    return result
+
+
+def _publish(
+    config: RecsysConfig,
+    workdir: Workdir,
+    date: dt.date,
+    run_dir: Path,
+    state: dict[str, Any],
+    uri: str,
+) -> PublishResult:
+    train_info = _read(run_dir / "train.json")
+    data_dir = Path(train_info["data_dir"])
+    report = _read(run_dir / "metrics.json")
+    exported = _read(run_dir / "export.json")
+    manifest = write_embeddings_manifest(run_dir / MANIFEST, exported["embeddings"])
+    metrics = {f"test_{k}": v for k, v in report["model"].items()}
+    for baseline, values in report.get("baselines", {}).items():
+        metrics.update({f"{baseline}_{k}": v for k, v in values.items()})
+    metrics.update(state["timings"])
+    metrics["train_examples_per_second"] = float(train_info.get("examples_per_second", 0.0))
+    metrics["train_loop_seconds"] = float(train_info.get("seconds", 0.0))
+    metrics["model_version"] = float(exported["version"])
+    artifacts: list[Artifact] = [
+        run_dir / "config.yaml",
+        run_dir / "metrics.json",
+        run_dir / "per_user_eval.parquet",
+        run_dir / "history.json",
+        run_dir / "export.json",
+        manifest,
+        (run_dir / "model", "trained_model"),
+    ]
+    artifacts += [
+        (Path(path), f"{registry.SAVEDMODELS}/{name}") for name, path in exported["models"].items()
+    ]
+    tags = {
+        "run_dir": str(run_dir.resolve()),
+        "model_path": str((run_dir / "model").resolve()),
+        "data_dir": str(data_dir.resolve()),
+        "model_version": str(exported["version"]),
+        **{f"device.{k}": str(v) for k, v in state["device"].items()},
+    }
+    run_id = log_nightly_run(
+        config,
+        workdir=workdir.root,
+        run_date=date,
+        stats=_read(data_dir / "stats.json"),
+        history=_read(run_dir / "history.json"),
+        metrics=metrics,
+        artifacts=artifacts,
+        tags=tags,
+        dataset_source=str(data_dir.resolve()),
+        tracking_uri=uri,
+    )
+    client = connect(config, workdir.root, uri)
+    name = config.model_name
+    version = registry.register_run(client, name, run_id)
+    champion = registry.alias_version(client, name, registry.CHAMPION)
+    recorded = _recorded_decision(client, run_id)
+    force = bool(state["force_promote"])
+    if recorded is not None and not (force and not recorded.promote):
+        decision = recorded  # a rerun: the gate already decided for this run
+        log.info("gate already decided for run %s: %s", run_id, decision.decision)
+    else:
+        if champion is None:
+            decision = gate.first_model_decision()
+        elif str(champion.version) == str(version.version):
+            decision = gate.GateDecision(True, [f"version {version.version} is already champion"])
+        else:
+            decision = _gate_against(client, config, run_dir, data_dir, champion, force)
+        _log_decision(client, run_id, run_dir, decision, champion)
+        if decision.promote:
+            registry.set_alias(client, name, registry.CHAMPION, version.version)
+    challenger = registry.alias_version(client, name, registry.CHALLENGER)
+    # `challenger` is the newest candidate: a late sync of an older date must not take it back.
+    if challenger is None or int(challenger.version) <= int(version.version):
+        registry.set_alias(client, name, registry.CHALLENGER, version.version)
+    now_champion = registry.alias_version(client, name, registry.CHAMPION)
+    log.info("%s (version %s of %s)", decision.summary(), version.version, name)
+    return PublishResult(
+        run_id,
+        str(version.version),
+        decision,
+        str(now_champion.version) if now_champion else "none",
+    )
+
+
+def _gate_against(
+    client: MlflowClient,
+    config: RecsysConfig,
+    run_dir: Path,
+    data_dir: Path,
+    champion: Any,
+    force: bool,
+) -> gate.GateDecision:
+    """Evaluate the champion on today's test split and gate the challenger against it."""
+    with tempfile.TemporaryDirectory(prefix="recsys-champion-") as tmp:
+        model_dir = _champion_model(client, champion.run_id, Path(tmp))
+        if model_dir is None:
+            reason = (
+                f"champion version {champion.version}: its model is neither at its run folder "
+                "nor in its run's artifacts (trained_model/); cannot compare"
+            )
+            return gate.not_compared_decision(reason, force=force)
+        try:
+            users, per_user, summary = evaluate_model(config, model_dir, data_dir)
+        except Exception as exc:
+            # Whatever breaks loading or scoring the old model (moved files, a model format
+            # changed by a newer release), the safe outcome is the same: keep the champion and
+            # say why, loudly; a person can still --force-promote.
+            log.exception("champion version %s could not be evaluated", champion.version)
+            reason = (
+                f"champion version {champion.version} could not be evaluated on today's data "
+                f"({type(exc).__name__}: {str(exc)[:200]}); keeping it (use --force-promote)"
+            )
+            return gate.not_compared_decision(reason, force=force)
+    (run_dir / GATE_DIR).mkdir(exist_ok=True)
+    _write_per_user(run_dir / GATE_DIR / "champion_per_user_eval.parquet", users, per_user)
+    challenger = pq.read_table(run_dir / "per_user_eval.parquet").to_pydict()
+    c_users = challenger.pop("user_id")
+    _, a, b = gate.pair_users(users, per_user, c_users, challenger)
+    decision = gate.decide(
+        a,
+        b,
+        config.gate,
+        champion_summary=summary,
+        challenger_summary=_read(run_dir / "metrics.json")["model"],
+        force=force,
+    )
+    decision.reasons.append(f"champion: version {champion.version} (run {champion.run_id})")
+    return decision
+
+
+def evaluate_model(
+    config: RecsysConfig, model_dir: Path, data_dir: Path
+) -> tuple[list[str], dict[str, np.ndarray], dict[str, float]]:
+    """A saved model on data_dir's test split, exactly as `recsys evaluate` scores a run."""
+    from recsys.stages import evaluate_model as score
+
+    eval_set, result = score(config, model_dir, data_dir)
+    return eval_set.users, result.per_user, result.metrics
+
+
+def _champion_model(client: MlflowClient, run_id: str, tmp: Path) -> Path | None:
+    """The champion's model folder: its run folder when present, else its logged copy."""
+    path = client.get_run(run_id).data.tags.get("model_path")
+    if path and (Path(path) / "model.json").is_file():
+        return Path(path)
+    try:
+        downloaded = Path(client.download_artifacts(run_id, "trained_model", str(tmp)))
+    except _TRACKING_FAILURES as exc:
+        log.warning("champion model of run %s unavailable: %s", run_id, exc)
+        return None
+    return downloaded if (downloaded / "model.json").is_file() else None
+
+
+def _log_decision(
+    client: MlflowClient,
+    run_id: str,
+    run_dir: Path,
+    decision: gate.GateDecision,
+    champion: Any,
+) -> None:
+    record = {**decision.to_dict(), "champion_version": str(champion.version) if champion else None}
+    _write_json(run_dir / GATE_JSON, record)
+    client.log_dict(run_id, json.loads(json.dumps(record, default=_jsonable)), GATE_JSON)
+    if (run_dir / GATE_DIR).is_dir():
+        client.log_artifacts(run_id, str(run_dir / GATE_DIR), artifact_path=GATE_DIR)
+    metrics = {"gate_promoted": float(decision.promote), "gate_forced": float(decision.forced)}
+    if decision.primary is not None:
+        p = decision.primary
+        metrics.update(
+            {
+                "gate_primary_delta": p.delta,
+                "gate_primary_ci_low": p.ci_low if p.ci_low is not None else float("nan"),
+                "gate_primary_ci_high": p.ci_high if p.ci_high is not None else float("nan"),
+                f"gate_champion_{p.metric}": p.champion,
+            }
+        )
+    for check in decision.guardrails:
+        metrics[f"gate_{check.metric}_delta"] = check.delta
+    for key, value in metrics.items():
+        client.log_metric(run_id, key, float(value))
+    tags = {
+        "gate.decision": decision.decision,
+        "gate.forced": str(decision.forced).lower(),
+        "gate.champion_version": str(champion.version) if champion else "none",
+        # MLflow tag values are limited (8000 chars in SQL stores): keep the start.
+        "gate.reasons": "; ".join(decision.reasons)[:4000],
+    }
+    for key, value in tags.items():
+        client.set_tag(run_id, key, value)
+
+
+def _recorded_decision(client: MlflowClient, run_id: str) -> gate.GateDecision | None:
+    if "gate.decision" not in client.get_run(run_id).data.tags:
+        return None
+    with tempfile.TemporaryDirectory(prefix="recsys-gate-") as tmp:
+        path = client.download_artifacts(run_id, GATE_JSON, tmp)
+        return gate.GateDecision.from_dict(json.loads(Path(path).read_text()))
+
+
+def write_embeddings_manifest(path: Path, embeddings: dict[str, str]) -> Path:
+    """A JSON list of the exported embedding files: path, rows, bytes, sha256."""
+    files = []
+    for name, location in sorted(embeddings.items()):
+        file = Path(location)
+        digest = _sha256(file) if file.is_file() else None
+        files.append(
+            {
+                "name": name,
+                "path": str(file),
+                "rows": pq.ParquetFile(file).metadata.num_rows if file.is_file() else None,
+                "bytes": file.stat().st_size if file.is_file() else None,
+                "sha256": digest,
+            }
+        )
+    _write_json(path, {"files": files})
+    return path
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with path.open("rb") as handle:
+        # In 8 MiB blocks: user embedding files can be larger than memory allows.
+        for block in iter(lambda: handle.read(8 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def _write_per_user(path: Path, users: list[str], per_user: dict[str, np.ndarray]) -> None:
+    import pyarrow as pa
+
+    columns = {"user_id": pa.array(users, pa.string())}
+    columns.update({k: pa.array(v) for k, v in per_user.items()})
+    pq.write_table(pa.table(columns), path)
+
+
+def _read(path: Path) -> Any:
+    return json.loads(path.read_text())
+
+
+def _jsonable(value: Any) -> Any:
+    return float(value) if isinstance(value, np.floating | np.integer) else str(value)
+
+
+def _write_json(path: Path, payload: Any) -> None:
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(payload, indent=2, sort_keys=True, default=_jsonable) + "\n")
+    tmp.replace(path)

@@ -1,0 +1,329 @@
+"""Training engine: features, precision, checkpoints and resume, early stopping, warm start."""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import tensorflow as tf
+
+from recsys import stages
+from recsys.config import ModelConfig, RecsysConfig, parse_config
+from recsys.errors import ConfigError, OutOfMemoryError
+from recsys.layout import Workdir
+from recsys.model import (
+    HISTORY_INDEX,
+    PAD,
+    ItemFeatures,
+    TrainedModel,
+    TwoTowerModel,
+    warm_start,
+)
+from recsys.training import trainer
+from recsys.training.dataset import training_dataset
+from tests.conftest import SMALL, SMALL_DATE
+
+DATE = dt.date.fromisoformat(SMALL_DATE)
+REPO = Path(__file__).resolve().parent.parent
+
+
+def with_updates(config: RecsysConfig, **sections: dict) -> RecsysConfig:
+    """A copy of `config` with some model/training keys replaced."""
+    raw = config.model_dump(mode="json")
+    for section, values in sections.items():
+        raw[section].update(values)
+    return parse_config(raw)
+
+
+@pytest.fixture(scope="module")
+def prepared(tmp_path_factory: pytest.TempPathFactory) -> tuple[RecsysConfig, Workdir, Path]:
+    """SMALL's synthetic log, preprocessed once for the module."""
+    config = parse_config(SMALL)
+    workdir = Workdir(tmp_path_factory.mktemp("work"))
+    data_dir, _ = stages.preprocess(config, workdir, DATE)
+    return config, workdir, data_dir
+
+
+def _model(data_dir: Path, config: ModelConfig) -> TrainedModel:
+    users = (data_dir / "vocab/users.txt").read_text().split()
+    items = (data_dir / "vocab/items.txt").read_text().split()
+    return TrainedModel.build(users, items, config)
+
+
+def test_history_batches_are_padded_index_matrices(
+    prepared: tuple[RecsysConfig, Workdir, Path],
+) -> None:
+    config, _, data_dir = prepared
+    model = _model(data_dir, config.model.model_copy(update={"history_length": 3}))
+    batch = next(iter(training_dataset(data_dir, "train", model, 64)))
+    history = batch[HISTORY_INDEX].numpy()
+    assert history.shape == (64, 3) and history.dtype == np.int64
+    assert ((history == PAD) | (history >= config.model.oov_buckets)).all()
+    # Histories are left-aligned: padding only after the kept ids.
+    assert not ((history[:, :-1] == PAD) & (history[:, 1:] != PAD)).any()
+
+
+def test_same_seed_same_batches_when_deterministic(
+    prepared: tuple[RecsysConfig, Workdir, Path],
+) -> None:
+    config, _, data_dir = prepared
+    model = _model(data_dir, config.model)
+
+    def first_items(seed: int) -> list[int]:
+        ds = training_dataset(data_dir, "train", model, 32, 1000, seed, deterministic=True)
+        return next(iter(ds))["item_index"].numpy().tolist()
+
+    assert first_items(1) == first_items(1)
+    assert first_items(1) != first_items(2)
+
+
+def test_item_features_from_parquet(tmp_path: Path) -> None:
+    path = tmp_path / "item_features.parquet"
+    pq.write_table(
+        pa.table(
+            {
+                "item_id": ["a", "b", "c"],
+                "train_count": [3, 2, 1],
+                "genres": [["Drama", "Comedy"], ["Drama"], []],
+                "title": ["Toy Story (1995)", "Toy Soldiers (1991)", None],
+            }
+        ),
+        path,
+    )
+    features = ItemFeatures.from_parquet(path, ["a", "b", "c", "unknown"], max_title_tokens=4)
+    # Tokens of a single item are dropped (another item id); order: frequency, then name.
+    assert features.vocab == {"genres": ["Drama"], "title": ["toy"]}
+    assert features.ids["genres"][:, 0].tolist() == [0, 0, PAD, PAD]
+    assert features.ids["title"].shape == (4, 4)
+    pq.write_table(pa.table({"item_id": ["a"], "train_count": [1]}), path)
+    assert ItemFeatures.from_parquet(path, ["a"], 4).ids == {}  # columns absent: no features
+
+
+def test_mixed_precision_trains_with_float32_outputs(
+    prepared: tuple[RecsysConfig, Workdir, Path],
+) -> None:
+    """bfloat16 and float16 (emulated on CPU, slow: one epoch of 4 big batches)."""
+    config, _, data_dir = prepared
+    for precision in ("mixed_bfloat16", "mixed_float16"):
+        cfg = with_updates(
+            config, training={"precision": precision, "epochs": 1, "batch_size": 512}
+        )
+        result = trainer.train(cfg, data_dir)
+        assert result.precision == precision
+        assert np.isfinite(result.history["loss"]).all()
+        compute = result.model.query_tower.embedding.dtype_policy.compute_dtype
+        assert compute == precision.removeprefix("mixed_")
+        vectors = result.model.user_embeddings(result.model.users[:3], [[], [], []])
+        assert vectors.dtype == np.float32 and np.isfinite(vectors).all()
+        assert result.model.item_embeddings().dtype == np.float32
+    assert tf.keras.mixed_precision.global_policy().name == "float32"  # left as found
+
+
+def test_float16_uses_loss_scaling() -> None:
+    cfg = parse_config(SMALL).training
+    assert isinstance(
+        trainer.make_optimizer(cfg, "mixed_float16"), tf.keras.mixed_precision.LossScaleOptimizer
+    )
+    assert trainer.resolve_precision("auto", []) == "float32"
+    assert trainer.resolve_precision("mixed_bfloat16", []) == "mixed_bfloat16"
+
+
+def test_tf_config_workers(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("TF_CONFIG", raising=False)
+    assert trainer.tf_config_workers() == 0
+    spec = {"cluster": {"worker": ["127.0.0.1:1", "127.0.0.1:2"]}, "task": {"index": 0}}
+    monkeypatch.setenv("TF_CONFIG", json.dumps(spec))
+    assert trainer.tf_config_workers() == 2
+    monkeypatch.setenv("TF_CONFIG", "{not json")
+    with pytest.raises(ConfigError, match="TF_CONFIG"):
+        trainer.tf_config_workers()
+
+
+def test_out_of_memory_names_the_batch_size(
+    prepared: tuple[RecsysConfig, Workdir, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    config, _, data_dir = prepared
+
+    def oom(*args: object, **kwargs: object) -> None:
+        raise tf.errors.ResourceExhaustedError(None, None, "OOM when allocating tensor")
+
+    monkeypatch.setattr(TwoTowerModel, "fit", oom)
+    with pytest.raises(OutOfMemoryError, match=r"training.batch_size=128.*e\.g\. 64"):
+        trainer.train(config, data_dir)
+
+
+def test_early_stopping_keeps_the_best_epoch(
+    prepared: tuple[RecsysConfig, Workdir, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Validation recall 0.1, 0.3, 0.2, 0.2: stops after epoch 4 (patience 2), keeps epoch 2."""
+    config, _, data_dir = prepared
+    scores = iter([0.1, 0.3, 0.2, 0.2, 0.9, 0.9])
+    snapshots: list[np.ndarray] = []
+
+    def scripted(self: trainer.ValidationRecall) -> float:
+        snapshots.append(self.trained.candidate_tower.embedding.embeddings.numpy().copy())
+        return next(scores)
+
+    monkeypatch.setattr(trainer.ValidationRecall, "score", scripted)
+    cfg = with_updates(config, training={"epochs": 6, "early_stopping_patience": 2})
+    result = trainer.train(cfg, data_dir)
+    assert result.history["val_recall_at_50"] == [0.1, 0.3, 0.2, 0.2]
+    assert result.best_epoch == 2
+    kept = result.model.candidate_tower.embedding.embeddings.numpy()
+    np.testing.assert_array_equal(kept, snapshots[1])
+
+
+def test_validation_recall_is_exact(prepared: tuple[RecsysConfig, Workdir, Path]) -> None:
+    config, _, data_dir = prepared
+    result = trainer.train(with_updates(config, training={"epochs": 2}), data_dir)
+    recalls = result.history["val_recall_at_50"]
+    assert len(recalls) == 2 and all(0.0 <= r <= 1.0 for r in recalls)
+    assert recalls[-1] > 0.2  # far above chance (50 of ~80 items minus the user's own)
+
+
+def test_warm_start_maps_rows_by_id(prepared: tuple[RecsysConfig, Workdir, Path]) -> None:
+    config = prepared[0]
+    tf.keras.utils.set_random_seed(0)
+    old = TrainedModel.build(["a", "b", "c"], ["x", "y", "z"], config.model)
+    new = TrainedModel.build(["c", "new", "a"], ["z", "w"], config.model)
+    fresh_user = new.query_tower.embedding.embeddings.numpy()[2].copy()  # "new"
+    copied = warm_start(new, old)
+    assert copied["users"] == 2 and copied["items"] == 1
+    oov = config.model.oov_buckets
+    old_users = old.query_tower.embedding.embeddings.numpy()
+    new_users = new.query_tower.embedding.embeddings.numpy()
+    np.testing.assert_array_equal(new_users[oov + 0], old_users[oov + 2])  # "c"
+    np.testing.assert_array_equal(new_users[oov + 2], old_users[oov + 0])  # "a"
+    np.testing.assert_array_equal(new_users[oov + 1], fresh_user)  # "new" keeps its fresh row
+    np.testing.assert_array_equal(new_users[:oov], old_users[:oov])  # OOV buckets carried over
+    old_items = old.candidate_tower.embedding.embeddings.numpy()
+    new_items = new.candidate_tower.embedding.embeddings.numpy()
+    np.testing.assert_array_equal(new_items[oov + 0], old_items[oov + 2])  # "z"
+    wider = config.model.model_copy(update={"embedding_dim": config.model.embedding_dim * 2})
+    with pytest.raises(ConfigError, match="warm_start_from"):
+        warm_start(TrainedModel.build(["a"], ["x"], wider), old)
+
+
+def test_warm_start_keeps_quality_with_fewer_epochs(
+    prepared: tuple[RecsysConfig, Workdir, Path], tmp_path: Path
+) -> None:
+    """A champion trained 6 epochs; 1 warm epoch on a changed vocabulary beats 1 cold epoch."""
+    config, workdir, data_dir = prepared
+    champion_run, champion = stages.train(
+        with_updates(config, training={"epochs": 6}), workdir, DATE
+    )
+    # The previous vocabulary differs: drop some users and items, add ids the data lacks.
+    old = TrainedModel.load(champion_run / "model")
+    old.users = [*old.users[5:], "gone-user"]
+    old.items = [*old.items[3:], "gone-item"]
+    rebuilt = TrainedModel.build(old.users, old.items, old.config, old.item_features)
+    warm_start(rebuilt, TrainedModel.load(champion_run / "model"))
+    rebuilt.save(tmp_path / "previous")
+
+    def validation_recall(**training: object) -> float:
+        cfg = with_updates(config, training={"epochs": 1, **training})
+        return trainer.train(cfg, data_dir).history["val_recall_at_50"][-1]
+
+    cold = validation_recall()
+    warm = validation_recall(warm_start_from=str(tmp_path / "previous"))
+    best = max(champion.history["val_recall_at_50"])
+    assert warm > cold
+    assert warm >= 0.9 * best
+
+
+@pytest.mark.slow
+def test_killed_run_resumes_where_it_stopped(
+    prepared: tuple[RecsysConfig, Workdir, Path], tmp_path: Path
+) -> None:
+    """SIGKILL mid-training, start again with the same backup folder: it continues."""
+    config, _, data_dir = prepared
+    epochs = 12
+    cfg = with_updates(config, training={"epochs": epochs, "checkpoint_every_steps": 5})
+    (tmp_path / "config.json").write_text(cfg.model_dump_json())
+    child = textwrap.dedent(
+        """
+        import json, logging, sys
+        import recsys
+        from pathlib import Path
+        from recsys.config import RecsysConfig
+        from recsys.training.trainer import train
+        logging.basicConfig(level=logging.INFO, stream=sys.stdout, format="%(message)s")
+        config = RecsysConfig.model_validate_json(Path(sys.argv[1]).read_text())
+        result = train(config, Path(sys.argv[2]), backup_dir=Path(sys.argv[3]))
+        print("RESULT " + json.dumps(result.history), flush=True)
+        """
+    )
+    env = {**os.environ, "PYTHONPATH": str(REPO), "CUDA_VISIBLE_DEVICES": ""}
+    cmd = [
+        sys.executable,
+        "-c",
+        child,
+        *(str(p) for p in (tmp_path / "config.json", data_dir, tmp_path / "backup")),
+    ]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, env=env)
+    assert proc.stdout is not None
+    done = 0
+    deadline = time.monotonic() + 300
+    for line in proc.stdout:
+        if line.startswith("epoch "):
+            done = int(line.split()[1].split("/")[0])
+        if done >= 3 or time.monotonic() > deadline:
+            break
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    assert done >= 3, "the child never reached epoch 3"
+    assert any((tmp_path / "backup").rglob("*.index")), "no checkpoint was written"
+    rerun = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300, check=False)
+    assert rerun.returncode == 0, rerun.stderr[-3000:]
+    history = json.loads(rerun.stdout.split("RESULT ", 1)[1])
+    first_epoch = int(
+        next(ln for ln in rerun.stdout.splitlines() if ln.startswith("epoch "))
+        .split()[1]
+        .split("/")[0]
+    )
+    assert first_epoch > done  # nothing finished before the kill was trained again
+    assert len(history["loss"]) == epochs - first_epoch + 1
+    assert not (tmp_path / "backup").exists() or not any((tmp_path / "backup").rglob("*.index"))
+
+
+def test_models_saved_by_the_first_ids_only_version_still_load(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A champion saved before history and item features existed loads with both off."""
+    import importlib.util
+
+    source = subprocess.run(
+        ["git", "show", "fffda9c:recsys/model.py"], capture_output=True, text=True, cwd=REPO
+    )
+    if source.returncode != 0:
+        pytest.skip("the first model version is not in this checkout's git history")
+    (tmp_path / "old_model.py").write_text(source.stdout)
+    spec = importlib.util.spec_from_file_location("old_model", tmp_path / "old_model.py")
+    old_module = importlib.util.module_from_spec(spec)
+    assert spec.loader is not None
+    monkeypatch.setitem(sys.modules, "old_model", old_module)  # dataclasses look it up
+    spec.loader.exec_module(old_module)
+    old_config = json.loads(ModelConfig(embedding_dim=8, hidden_dims=[4]).model_dump_json())
+    for key in ("history_length", "share_item_embeddings", "item_features", "max_title_tokens"):
+        old_config.pop(key)
+    old_config.pop("num_hard_negatives")
+    old = old_module.TrainedModel.build(["a", "b"], ["x", "y", "z"], ModelConfig(**old_config))
+    old.save(tmp_path / "model")
+    (tmp_path / "model" / "model.json").write_text(json.dumps(old_config))
+    loaded = TrainedModel.load(tmp_path / "model")
+    assert loaded.config.history_length == 0 and not loaded.config.item_features
+    np.testing.assert_allclose(loaded.item_embeddings(), old.item_embeddings(), atol=1e-6)
+    np.testing.assert_allclose(
+        loaded.user_embeddings(["a", "new"]), old.user_embeddings(["a", "new"]), atol=1e-6
+    )
