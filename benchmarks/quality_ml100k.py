@@ -225,6 +225,9 @@ def tutorial_settings(config: RecsysConfig) -> RecsysConfig:
                     "temperature": 1.0,
                     "logq_correction": False,
                     "remove_accidental_hits": False,
+                    # The tutorial model is ids only: no history, no item features.
+                    "history_length": 0,
+                    "item_features": False,
                 }
             ),
             "training": config.training.model_copy(

@@ -233,17 +233,6 @@ class RecsysConfig(_Strict):
     export: ExportConfig = ExportConfig()
     gate: GateConfig = GateConfig()
 
-    @model_validator(mode="after")
-    def _history_fits(self) -> RecsysConfig:
-        # The model can only pool what the Beam job wrote into each example.
-        if self.model.history_length > self.preprocess.history_length:
-            raise ValueError(
-                f"model.history_length ({self.model.history_length}) exceeds "
-                f"preprocess.history_length ({self.preprocess.history_length}): the examples "
-                "hold no more history than that; lower the first or raise the second"
-            )
-        return self
-
     def flat(self) -> dict[str, Any]:
         """The config as dotted keys (MLflow params)."""
         return _flatten(self.model_dump(mode="json"))

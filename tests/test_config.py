@@ -56,8 +56,3 @@ def test_input_override_picks_reader() -> None:
     assert cfg.with_input("x/events.csv").data.source == "csv"
     ml = parse_config({"data": {"source": "movielens-100k", "path": "a/u.data"}})
     assert ml.with_input("b/u.data").data.source == "movielens-100k"
-
-
-def test_model_history_cannot_exceed_what_preprocessing_writes() -> None:
-    with pytest.raises(ConfigError, match=r"model\.history_length"):
-        parse_config({"model": {"history_length": 30}, "preprocess": {"history_length": 20}})
