@@ -45,14 +45,7 @@ from recsys.training.dataset import load_split
 REPO = Path(__file__).resolve().parent.parent
 DATE = dt.date(1998, 4, 30)  # after the last rating in u.data
 EVAL = EvaluationConfig()
-REPORTED = (
-    "recall_at_10",
-    "recall_at_50",
-    "recall_at_100",
-    "ndcg_at_10",
-    "mrr_at_100",
-    "coverage_at_10",
-)
+REPORTED = stages.REPORTED_METRICS
 
 
 def _ids(values: np.ndarray) -> list[str]:

@@ -26,7 +26,7 @@ from recsys.layout import Workdir, mark_complete, new_run_id, require_complete
 
 log = logging.getLogger(__name__)
 
-PRIMARY_METRICS = (
+REPORTED_METRICS = (
     "recall_at_10",
     "recall_at_50",
     "recall_at_100",
@@ -34,6 +34,7 @@ PRIMARY_METRICS = (
     "mrr_at_100",
     "coverage_at_10",
 )
+"""The metrics of the DESIGN.md protocol, in the order reports list them."""
 
 
 def resolve_input(
