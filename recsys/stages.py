@@ -121,6 +121,11 @@ def _run_dir(workdir: Workdir, date: dt.date, run_id: str | None) -> Path:
     return workdir.latest_run(date)
 
 
+def run_data_dir(run_dir: Path) -> Path:
+    """The data folder a training run was trained on (recorded in its train.json)."""
+    return Path(json.loads((run_dir / "train.json").read_text())["data_dir"])
+
+
 def evaluate_model(config: RecsysConfig, model_dir: Path, data_dir: Path) -> tuple[Any, Any]:
     """A saved model on data_dir's test split: (EvalSet, EvalResult), the one scoring path.
 
@@ -155,7 +160,7 @@ def evaluate(
     from recsys import evaluation as ev
 
     run_dir = _run_dir(workdir, date, run_id)
-    data_dir = Path(json.loads((run_dir / "train.json").read_text())["data_dir"])
+    data_dir = run_data_dir(run_dir)
     log.info("evaluate: %s on %s (test split)", run_dir.name, data_dir)
     eval_set, result = evaluate_model(config, run_dir / "model", data_dir)
     result.write_per_user(run_dir / "per_user_eval.parquet", eval_set.users)
@@ -244,7 +249,7 @@ def _latest_histories(run_dir: Path, model: Any) -> list[list[str]] | None:
         return None
     from recsys.training.dataset import latest_histories
 
-    data_dir = Path(json.loads((run_dir / "train.json").read_text())["data_dir"])
+    data_dir = run_data_dir(run_dir)
     return latest_histories(data_dir, model.users, model.config.history_length)
 
 

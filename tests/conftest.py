@@ -11,7 +11,9 @@ from pathlib import Path
 
 import pytest
 
+from recsys import stages
 from recsys.config import RecsysConfig, parse_config
+from recsys.layout import Workdir
 from recsys.synthetic import write_csv
 
 REPO = Path(__file__).resolve().parent.parent
@@ -55,3 +57,14 @@ def ml100k() -> Path:
     if not (ML100K / "u.data").is_file():
         pytest.skip(f"MovieLens 100K not found at {ML100K} (set RECSYS_ML100K to its folder)")
     return ML100K
+
+
+@pytest.fixture(scope="module")
+def prepared(tmp_path_factory: pytest.TempPathFactory) -> tuple[RecsysConfig, Workdir, Path]:
+    """SMALL's synthetic log, preprocessed by the real Beam job once per test module."""
+    import datetime as dt
+
+    config = parse_config(SMALL)
+    workdir = Workdir(tmp_path_factory.mktemp("work"))
+    data_dir, _ = stages.preprocess(config, workdir, dt.date.fromisoformat(SMALL_DATE))
+    return config, workdir, data_dir

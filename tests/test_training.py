@@ -13,20 +13,9 @@ from recsys.config import RecsysConfig
 from recsys.layout import Workdir
 from recsys.model import TrainedModel
 from recsys.training.dataset import item_log_probabilities, load_split, training_dataset
-from tests.conftest import SMALL, SMALL_DATE
+from tests.conftest import SMALL_DATE
 
 DATE = dt.date.fromisoformat(SMALL_DATE)
-
-
-@pytest.fixture(scope="module")
-def prepared(tmp_path_factory: pytest.TempPathFactory) -> tuple[RecsysConfig, Workdir, Path]:
-    """SMALL's synthetic log, preprocessed once for the module."""
-    from recsys.config import parse_config
-
-    config = parse_config(SMALL)
-    workdir = Workdir(tmp_path_factory.mktemp("work"))
-    data_dir, _ = stages.preprocess(config, workdir, DATE)
-    return config, workdir, data_dir
 
 
 def test_dataset_batches_are_model_indices(prepared: tuple[RecsysConfig, Workdir, Path]) -> None:

@@ -46,15 +46,6 @@ def with_updates(config: RecsysConfig, **sections: dict) -> RecsysConfig:
     return parse_config(raw)
 
 
-@pytest.fixture(scope="module")
-def prepared(tmp_path_factory: pytest.TempPathFactory) -> tuple[RecsysConfig, Workdir, Path]:
-    """SMALL's synthetic log, preprocessed once for the module."""
-    config = parse_config(SMALL)
-    workdir = Workdir(tmp_path_factory.mktemp("work"))
-    data_dir, _ = stages.preprocess(config, workdir, DATE)
-    return config, workdir, data_dir
-
-
 def _model(data_dir: Path, config: ModelConfig) -> TrainedModel:
     users = (data_dir / "vocab/users.txt").read_text().split()
     items = (data_dir / "vocab/items.txt").read_text().split()
