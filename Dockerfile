@@ -3,11 +3,17 @@
 # pass other arguments to run any `recsys` command, e.g. `nightly --config configs/x.yaml`.
 #   docker build -t recsys .
 #   docker run --rm -v "$PWD/recsys-work:/work/recsys-work" recsys
+# The same environment as a Beam SDK harness for Dataflow / Flink (`--sdk_container_image`,
+# docs/OPERATIONS.md): a separate target, the default stays the `recsys` image.
+#   docker build --target beam-sdk -t recsys-beam-sdk .
 #
 # The base is pinned by its full tag. For byte-reproducible builds append the digest that
 # `docker buildx imagetools inspect python:3.11.14-slim-bookworm` prints (@sha256:...); it is
 # not written here because it could not be checked from the machine this file was made on.
 ARG PYTHON_IMAGE=python:3.11.14-slim-bookworm
+# Must equal the apache-beam pin in constraints.txt (tests/test_dockerfile.py checks): the
+# harness boot program and the SDK installed in the venv have to be the same release.
+ARG BEAM_VERSION=2.77.0
 
 FROM ${PYTHON_IMAGE} AS builder
 ENV PIP_DISABLE_PIP_VERSION_CHECK=1 \
@@ -24,6 +30,11 @@ COPY serving_export ./serving_export
 RUN --mount=type=cache,target=/root/.cache/pip \
     python -m pip install -c constraints.txt .
 
+# Only the SDK harness boot program is taken from Beam's image (its Python must match ours:
+# 3.11). BuildKit pulls it only when the beam-sdk target is built.
+FROM apache/beam_python3.11_sdk:${BEAM_VERSION} AS beam-boot
+
+# What both images share: the venv, the environment, the unprivileged user.
 FROM ${PYTHON_IMAGE} AS runtime
 LABEL org.opencontainers.image.title="recsys" \
       org.opencontainers.image.description="Nightly retraining of two-tower retrieval models" \
@@ -39,6 +50,26 @@ RUN groupadd --gid 10001 recsys \
 # Same base image and path as the builder, so the venv's interpreter links and shebangs hold.
 COPY --from=builder /opt/venv /opt/venv
 WORKDIR /work
+
+# The Beam SDK harness: the runner starts /opt/apache/beam/boot, which fetches the job's staged
+# files and runs the SDK worker with `python` from PATH, i.e. the recsys venv (apache-beam,
+# beam_jobs, recsys at the versions that submitted the job). Submit with
+# --sdk_location=container so nothing is installed at startup.
+FROM runtime AS beam-sdk
+LABEL org.opencontainers.image.title="recsys-beam-sdk" \
+      org.opencontainers.image.description="Beam SDK harness with the recsys preprocessing code"
+COPY --from=beam-boot /opt/apache/beam /opt/apache/beam
+# By default boot creates a venv with --system-site-packages next to it; made from the venv's
+# interpreter, that venv sees /usr/local's packages, not /opt/venv's, so apache_beam and
+# beam_jobs would be missing. Run the worker in the image's venv instead.
+ENV RUN_PYTHON_SDK_IN_DEFAULT_ENVIRONMENT=1
+# No USER here, unlike the recsys image: Dataflow mounts the harness's working folders
+# (/var/opt/google) owned by root, so its harness must run as root. Where the runner lets you
+# choose (Flink worker-pool pods on Kubernetes), run it as uid 10001 via the securityContext.
+ENTRYPOINT ["/opt/apache/beam/boot"]
+
+# The default target (last stage): the nightly job.
+FROM runtime AS recsys
 COPY configs ./configs
 # The working directory (data, runs, exports, MLflow store) is the one place the job writes;
 # mount a volume here to keep it.

@@ -17,7 +17,7 @@ from typing import Any
 import apache_beam as beam
 from apache_beam.typehints import no_annotations
 
-from beam_jobs.records import UNKNOWN_ITEM, Event, Rejection, rejection
+from beam_jobs.records import UNKNOWN_ITEM, Rejection, rejection
 from recsys.config import DataConfig, ItemsConfig
 from recsys.errors import DataError
 from recsys.schema import ITEM_ID
@@ -44,18 +44,26 @@ PRESET_ITEMS = {
 }
 
 
+def preset_side_file(
+    source: str, ratings_files: list[str], presets: Mapping[str, tuple[str, str]]
+) -> tuple[str, str] | None:
+    """(path, format) of a MovieLens preset's side file next to its ratings file, if present."""
+    if source in presets and ratings_files:
+        name, fmt = presets[source]
+        path = Path(ratings_files[0]).parent / name
+        if path.is_file():
+            return str(path), fmt
+    return None
+
+
 def item_source(data: DataConfig, ratings_files: list[str]) -> ItemsConfig | None:
     """The item side file to read: data.items, else a MovieLens preset's file if present."""
     if data.items is not None:
         if not data.items.path:
             raise DataError("data.items.path is required when data.items is set")
         return data.items
-    if data.source in PRESET_ITEMS and ratings_files:
-        name, fmt = PRESET_ITEMS[data.source]
-        path = Path(ratings_files[0]).parent / name
-        if path.is_file():
-            return ItemsConfig(path=str(path), format=fmt)  # type: ignore[arg-type]
-    return None
+    found = preset_side_file(data.source, ratings_files, PRESET_ITEMS)
+    return ItemsConfig(path=found[0], format=found[1]) if found else None  # type: ignore[arg-type]
 
 
 def _text_lines(path: str, encoding: str) -> Iterator[tuple[int, str]]:
@@ -158,15 +166,6 @@ def _features(row: Mapping[str, Any], cfg: ItemsConfig) -> tuple[str, ItemFeatur
     )
 
 
-class _DropUnknownItems(beam.DoFn):
-    def process(self, event: Event, known: Mapping[str, Any]) -> Iterator[Any]:
-        _, (_, item, file, row, _, raw) = event
-        if item in known:
-            yield event
-        else:
-            yield beam.pvalue.TaggedOutput(REJECTED, unknown_item(file, row, raw))
-
-
 def unknown_item(file: str, row: int, raw: str) -> Rejection:
     """The rejection of an interaction whose item is not in the item file."""
     return rejection(file, row, ITEM_ID, UNKNOWN_ITEM, raw)
@@ -188,19 +187,4 @@ class ReadItems(beam.PTransform):
             | "ByItem" >> beam.GroupByKey()
             # The smallest row of a repeated id, not the first: arrival order is not stable.
             | "OneRow" >> beam.MapTuple(lambda item, rows: (item, min(rows)))
-        )
-
-
-class KnownItemsOnly(beam.PTransform):
-    """Events -> (events whose item is in the side file, rejected `unknown_item`)."""
-
-    def __init__(self, items: beam.PCollection) -> None:
-        super().__init__()
-        self._items = items
-
-    @no_annotations  # Beam only understands PCollection-typed expand hints
-    def expand(self, events: beam.PCollection) -> beam.pvalue.DoOutputsTuple:
-        known = beam.pvalue.AsDict(self._items)
-        return events | "DropUnknown" >> beam.ParDo(_DropUnknownItems(), known).with_outputs(
-            REJECTED, main="events"
         )

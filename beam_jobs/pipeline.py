@@ -1,10 +1,10 @@
 """The preprocessing pipeline: raw interaction log -> validated, split TFRecords + vocab + stats.
 
-    files -> ReadAndValidate [-> KnownItemsOnly] -> SplitAndWrite (shards)
-                 |                  |                       |               |  (train counts)
-                 |                  |                       |               \\-> BuildVocabularies
-                 +------------------+-----------------------+---------------+-> WriteRejected
-    item file -> ReadItems ------------------^ (unknown items)   and  --> item_features.parquet
+    files -> ReadAndValidate --(shard, Arrow batch)--> SplitAndWrite (one GroupByKey by shard)
+                 |    ^ item ids (unknown items)                |  \\-(train counts per shard)
+    item file -> ReadItems --------------------------------------+----> BuildVocabularies
+    user file -> ReadUsers ---------------------------------------------^ (+ feature files)
+                 +-- rejections --------------------------------+-> FillRaw -> WriteRejected
     all of the above -> CountRows -> WriteStats
 
 `run_preprocess` runs it into a temporary sibling of the output folder, checks the counts and
@@ -14,18 +14,22 @@ the rejection rate, and publishes the folder by renaming it (see docs/PREPROCESS
 import datetime as dt
 import json
 import logging
+import shutil
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
 import apache_beam as beam
 from apache_beam.options.pipeline_options import PipelineOptions, StandardOptions
 from apache_beam.runners.portability.fn_api_runner import FnApiRunner
+from apache_beam.typehints import no_annotations
 
 from beam_jobs.inputs import InputFile, list_input_files
-from beam_jobs.items import KnownItemsOnly, ReadItems, item_source
-from beam_jobs.readers import ReadAndValidate, read_spec
+from beam_jobs.items import ReadItems, item_source
+from beam_jobs.readers import Bounds, ReadAndValidate, ReadSpec, parquet_raw, read_spec
+from beam_jobs.records import Rejection
 from beam_jobs.sinks import REJECTED_DIR, WriteRejected
-from beam_jobs.split import SplitAndWrite, SplitSettings
+from beam_jobs.split import SECONDS_PER_DAY, SplitAndWrite, SplitSettings
 from beam_jobs.stats import (
     STATS_FILE,
     CountRows,
@@ -34,14 +38,17 @@ from beam_jobs.stats import (
     add_drift,
     check_reconciled,
 )
+from beam_jobs.users import ReadUsers, feature_names, user_source
+from beam_jobs.validation import MS_PER_SECOND, InvalidValue, parse_timestamp
 from beam_jobs.vocab import BuildVocabularies
-from recsys.config import RecsysConfig
-from recsys.errors import DataError
+from recsys.config import PreprocessConfig, RecsysConfig
+from recsys.errors import ConfigError, DataError
 from recsys.layout import atomic_dir, end_of_day_utc, mark_complete
 
 log = logging.getLogger(__name__)
 
 TOP_REASONS = 3
+SHUFFLE_DIR = "_shuffle"  # spilled shard batches (preprocess.shuffle: files), removed after
 
 
 def build_pipeline(
@@ -55,30 +62,21 @@ def build_pipeline(
     out = str(out_dir)
     pp = config.preprocess
     cutoff = end_of_day_utc(run_date)
-    read = (
-        p
-        | "InputFiles" >> beam.Create([f.path for f in files])
-        | "Read" >> ReadAndValidate(read_spec(config.data), cutoff, config.data.timestamp_unit)
-    )
-    events = read.events
-    rejected_parts = [read.rejected]
-    side = item_source(config.data, [f.path for f in files])
-    item_features = None
+    paths = [f.path for f in files]
+    spec = read_spec(config.data)
+    divisor = MS_PER_SECOND if config.data.timestamp_unit == "ms" else 1
+    bounds = Bounds(cutoff, timestamp_floor(pp, cutoff), divisor)
+    side = item_source(config.data, paths)
+    item_features = catalog = None
     if side is not None:
         item_features = p | "ReadItems" >> ReadItems(side)
-        known = events | "KnownItems" >> KnownItemsOnly(item_features)
-        events = known.events
-        rejected_parts.append(known.rejected)
-    item_counts = None
-    if pp.min_item_count:
-        # Distinct (user, time, item) first: duplicates must not lift an item over the minimum.
-        item_counts = (
-            events
-            | "EventKeys" >> beam.Map(lambda e: (e[0], e[1][0], e[1][1]))
-            | "Distinct" >> beam.Distinct()
-            | "EventItem" >> beam.Map(lambda key: key[2])
-            | "CountPerItem" >> beam.combiners.Count.PerElement()
-        )
+        catalog = item_features | "CatalogIds" >> beam.Keys()
+    spill = str(out_dir / SHUFFLE_DIR) if pp.shuffle == "files" else None
+    read = (
+        p
+        | "InputFiles" >> beam.Create(paths)
+        | "Read" >> ReadAndValidate(spec, bounds, paths, pp.num_shards, catalog, spill)
+    )
     settings = SplitSettings(
         min_interactions=pp.min_user_interactions,
         history_length=pp.history_length,
@@ -88,12 +86,22 @@ def build_pipeline(
         min_user_count=pp.min_user_count,
         min_item_count=pp.min_item_count,
     )
-    split = events | "SplitAndWrite" >> SplitAndWrite(settings, out, pp.num_shards, item_counts)
-    rejected_parts.append(split.rejected)
-    rejected = rejected_parts | "AllRejected" >> beam.Flatten()
+    split = read.batches | "SplitAndWrite" >> SplitAndWrite(
+        settings, out, pp.num_shards, paths, spill
+    )
+    rejected = (
+        (read.rejected, split.rejected)
+        | "AllRejected" >> beam.Flatten()
+        | "FillRaw" >> FillRaw(spec)
+    )
     _ = rejected | "WriteRejected" >> WriteRejected(out)
+    users_side = user_source(config.data, paths)
+    user_features, user_names = None, ()
+    if users_side is not None:
+        user_names = feature_names(users_side)
+        user_features = p | "ReadUsers" >> ReadUsers(users_side, user_names)
     users, items = (split.users, split.items) | "Vocabularies" >> BuildVocabularies(
-        out, pp.vocab_min_count, item_features
+        out, pp.vocab_min_count, item_features, user_features, user_names
     )
 
     counts = {
@@ -106,6 +114,55 @@ def build_pipeline(
     time_range = read.time_range | "TimeRange" >> beam.CombineGlobally(MinMax())
     parts = {"counts": counts, "time_range": time_range, "users": users, "items": items}
     _ = parts | "WriteStats" >> WriteStats(out, run_date, files)
+
+
+def timestamp_floor(pp: PreprocessConfig, cutoff: int) -> int:
+    """The first accepted second: preprocess.min_timestamp and max_age_days (0: no bound)."""
+    floor = 0
+    if pp.min_timestamp is not None:
+        try:
+            floor = parse_timestamp(pp.min_timestamp)
+        except InvalidValue:
+            raise ConfigError(
+                f"preprocess.min_timestamp {pp.min_timestamp!r} is not epoch seconds or an "
+                "ISO-8601 date/time"
+            ) from None
+    if pp.max_age_days:
+        floor = max(floor, cutoff - pp.max_age_days * SECONDS_PER_DAY)
+    return floor
+
+
+def _fill_raw(element: tuple[str, Iterable[Rejection]], spec: ReadSpec) -> Iterator[Rejection]:
+    path, records = element
+    records = list(records)
+    raws = parquet_raw(path, spec, (r["row"] for r in records))
+    for record in records:
+        yield {**record, "raw": raws.get(record["row"], "")}
+
+
+class FillRaw(beam.PTransform):
+    """Rejections -> the same, with the raw content of columnar rows read back from their file.
+
+    Parquet rows carry no raw JSON through the shuffle (it would cost as much as the row):
+    the few rejected after it (duplicates, rare, unknown items) get it here, per file.
+    """
+
+    def __init__(self, spec: ReadSpec) -> None:
+        super().__init__()
+        self._spec = spec
+
+    @no_annotations  # Beam only understands PCollection-typed expand hints
+    def expand(self, rejected: beam.PCollection) -> beam.PCollection:
+        complete, partial = rejected | "NeedsRaw" >> beam.Partition(
+            lambda record, _: int(record["raw"] is None), 2
+        )
+        filled = (
+            partial
+            | "ByFile" >> beam.Map(lambda record: (record["file"], record))
+            | "GroupByFile" >> beam.GroupByKey()
+            | "ReadBack" >> beam.FlatMap(_fill_raw, self._spec)
+        )
+        return (complete, filled) | "WithRaw" >> beam.Flatten()
 
 
 def pipeline_options(args: list[str]) -> tuple[PipelineOptions, Any]:
@@ -138,6 +195,7 @@ def run_preprocess(
     with atomic_dir(output_dir) as tmp:
         with beam.Pipeline(runner=runner, options=options) as p:
             build_pipeline(p, config, files, tmp, run_date)
+        shutil.rmtree(tmp / SHUFFLE_DIR, ignore_errors=True)  # spilled batches, now written
         stats = json.loads((tmp / STATS_FILE).read_text(encoding="utf-8"))
         check_reconciled(stats)
         stats = add_drift(stats, tmp, output_dir)

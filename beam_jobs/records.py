@@ -1,8 +1,10 @@
-"""The shapes of the elements that flow between the pipeline's transforms.
+"""Per-row shapes (raw rows, validated events, rejections) and the rejection reasons.
 
-Elements are plain tuples and dicts rather than NamedTuples or dataclasses: Beam encodes them
-with its fast primitive coder, where a NamedTuple would be inferred as a schema'd Row and pay
-for RowCoder on every shuffle.
+Interactions cross the pipeline as Arrow record batches (beam_jobs.columnar); the per-row
+shapes here are what the text readers and `validate` produce for one row, and what the
+reference split (`beam_jobs.split.split_user`) takes. Rejections stay one dict per row: they
+are few, and each becomes one JSON line. Plain tuples and dicts, not NamedTuples: Beam encodes
+them with its fast primitive coder, where a NamedTuple would pay for RowCoder.
 """
 
 import json
@@ -37,6 +39,7 @@ BAD_ID = "bad_id"
 BAD_TIMESTAMP = "bad_timestamp"
 BAD_WEIGHT = "bad_weight"
 AFTER_RUN_DATE = "after_run_date"
+BEFORE_MIN_TIMESTAMP = "before_min_timestamp"
 DUPLICATE = "duplicate"
 UNKNOWN_ITEM = "unknown_item"
 EXCLUDED_EVENT_TYPE = "excluded_event_type"
@@ -44,9 +47,14 @@ RARE_USER = "rare_user"
 RARE_ITEM = "rare_item"
 
 
-def rejection(file: str, row: int, field: str | None, reason: str, raw: Raw) -> Rejection:
-    """One rejected-row record, in the key order it is written; `raw` always as text."""
-    return {"file": file, "row": row, "field": field, "reason": reason, "raw": raw_text(raw)}
+def rejection(file: str, row: int, field: str | None, reason: str, raw: Raw | None) -> Rejection:
+    """One rejected-row record, in the key order it is written; `raw` as text.
+
+    `raw` None: a columnar file's row whose values were not kept; the pipeline reads them
+    back from the file before the record is written (beam_jobs.pipeline.FillRaw).
+    """
+    text = None if raw is None else raw_text(raw)
+    return {"file": file, "row": row, "field": field, "reason": reason, "raw": text}
 
 
 def raw_text(raw: Raw) -> str:

@@ -1,37 +1,27 @@
 """Write the splits as gzip TFRecords of tf.train.Example, and the rejected rows as JSON lines.
 
 The TFRecord writing is deterministic: a row's shard is a stable hash of its user id and each
-shard's rows are written in sorted order (beam_jobs.split), so the same input gives
-byte-identical files whatever the runner's bundling (Beam's WriteToTFRecord keeps arrival
-order, which is not stable).
+shard's rows are written in sorted order (beam_jobs.split), encoded by beam_jobs.examples in
+fixed-size chunks, so the same input gives byte-identical files whatever the runner's
+bundling (Beam's WriteToTFRecord keeps arrival order, which is not stable).
 """
 
 import gzip
-import io
 import json
 import zlib
+from collections import deque
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 import apache_beam as beam
-from apache_beam.io.tfrecordio import _TFRecordUtil
 
-from beam_jobs.records import Interaction, Rejection
-from recsys.schema import HISTORY, ITEM_ID, TIMESTAMP, USER_ID, WEIGHT, encode_example
+from beam_jobs.records import Rejection
 
 TFRECORD_SUFFIX = ".tfrecord.gz"
 REJECTED_DIR = "rejected"
 REJECTED_PREFIX = "rejected"
 REJECTED_SUFFIX = ".jsonl"
 SHARD_TEMPLATE = "-SSSSS-of-NNNNN"
-WRITE_CHUNK_BYTES = 1 << 20
-
-
-def to_example(interaction: Interaction) -> bytes:
-    """One split row as a serialised tf.train.Example (recsys.schema is the only encoder)."""
-    user, item, timestamp, weight, history = interaction
-    return encode_example(
-        {USER_ID: user, ITEM_ID: item, TIMESTAMP: timestamp, WEIGHT: weight, HISTORY: history}
-    )
 
 
 def shard_of(user_id: str, num_shards: int) -> int:
@@ -44,24 +34,46 @@ def shard_path(prefix: str, shard: int, num_shards: int) -> str:
     return f"{prefix}-{shard:05d}-of-{num_shards:05d}{TFRECORD_SUFFIX}"
 
 
-def write_shard(rows: list[Interaction], path: str) -> str:
-    """Write rows, in the order given, as one gzip TFRecord file of tf.train.Example."""
-    Path(path).parent.mkdir(parents=True, exist_ok=True)
-    # mtime=0 and no file name in the gzip header: the bytes depend on the content only.
-    # Records are framed into a buffer and compressed a chunk at a time: compressing each
-    # record on its own costs more than encoding it. Level 6 is zlib's (and TensorFlow's) default.
-    with (
-        open(path, "wb") as raw,
-        gzip.GzipFile(filename="", mode="wb", fileobj=raw, mtime=0, compresslevel=6) as fh,
-    ):
-        buffer = io.BytesIO()
-        for row in rows:
-            _TFRecordUtil.write_record(buffer, to_example(row))
-            if buffer.tell() >= WRITE_CHUNK_BYTES:
-                fh.write(buffer.getbuffer())
-                buffer = io.BytesIO()
-        fh.write(buffer.getbuffer())
-    return path
+class TFRecordFile:
+    """A gzip TFRecord file written from framed chunks, compressed in a helper thread.
+
+    zlib releases the GIL while it compresses, so the next chunk is encoded while the last
+    one is compressed (deflate at level 6 is about as costly as the encoding). At most
+    `MAX_PENDING` chunks wait, so memory stays bounded. The gzip header carries no time and no
+    file name: the bytes depend on the content only.
+    """
+
+    MAX_PENDING = 2
+
+    def __init__(self, path: str) -> None:
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        self._raw = open(path, "wb")  # noqa: SIM115 - closed in close()
+        self._gzip = gzip.GzipFile(filename="", mode="wb", fileobj=self._raw, mtime=0,
+                                   compresslevel=6)  # fmt: skip
+        self._pool = ThreadPoolExecutor(max_workers=1)
+        self._pending: deque[Future[int]] = deque()
+
+    def write(self, chunk: memoryview | bytes) -> None:
+        """Queue framed records for compression, in order."""
+        self._pending.append(self._pool.submit(self._gzip.write, chunk))
+        while len(self._pending) > self.MAX_PENDING:
+            self._pending.popleft().result()
+
+    def close(self) -> None:
+        """Finish every pending chunk and close the file."""
+        try:
+            while self._pending:
+                self._pending.popleft().result()
+        finally:
+            self._pool.shutdown()
+            self._gzip.close()
+            self._raw.close()
+
+    def __enter__(self) -> "TFRecordFile":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
 
 def to_json_line(record: Rejection) -> str:

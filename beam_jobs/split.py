@@ -1,43 +1,60 @@
 """Per-user split (leave-last-out or time window) with history features, after de-duplication,
 written straight to the TFRecord shards.
 
-Duplicates are found inside each user's group: an exact duplicate has the same user, so the
-one GroupByKey the split needs anyway also finds them, with no second shuffle. The same group
-gives each interaction its history: the user's earlier items, in the protocol's order. The
-group is a whole shard of users, so the split rows never travel through a second shuffle to
-the writer (history lists are the largest part of a row) and leave as per-shard counts.
+Duplicates are found inside each shard: an exact duplicate has the same user, so the one
+GroupByKey the split needs anyway also finds them, with no second shuffle. The shard arrives
+as Arrow record batches; sorted by (user, time, item, file, row) it gives, with array
+operations and no Python call per row, the duplicates (equal to the row before), each user's
+rows in protocol order, their split and their history (a window of the rows before, within
+the user). The split rows never travel through a second shuffle to the writer: they are
+encoded and written here, in batches, and leave as per-shard counts.
+
+`split_user` and the small functions before it are the per-user reference the columnar
+`split_shard` is tested against (tests/test_beam_columnar.py).
 """
 
-from collections import Counter, defaultdict
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import apache_beam as beam
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
 from apache_beam.typehints import no_annotations
 
+from beam_jobs import columnar as col
+from beam_jobs.examples import encode_batch, frame_records, gather_lists, history_pieces
 from beam_jobs.records import (
     DUPLICATE,
     RARE_ITEM,
     RARE_USER,
-    Event,
     Interaction,
     Raw,
     Rejection,
     rejection,
 )
-from beam_jobs.sinks import shard_of, shard_path, write_shard
-from recsys.schema import ITEM_ID, SPLITS, USER_ID
+from beam_jobs.sinks import TFRecordFile, shard_path
+from recsys.schema import HISTORY, ITEM_ID, SPLITS, TIMESTAMP, USER_ID, WEIGHT
 
 REJECTED = "rejected"
 COUNTS = "counts"
 USERS = "users"
 ITEMS = "items"
+ITEM_COUNTS = "item_counts"
 SPLIT_KEY = "split:"  # as in beam_jobs.stats
 TRAIN, VALIDATION, TEST = SPLITS
 SECONDS_PER_DAY = 86_400
 LEAVE_LAST_OUT = "leave_last_out"
 TIME_WINDOW = "time_window"
+ENCODE_ROWS = 64 * 1024  # rows encoded and written at a time
+# Rows of a shard processed at once (~150 bytes each while split and encoded): a bigger
+# shard is processed in several passes over ranges of user buckets.
+PASS_ROWS = 1 << 19
+COUNT = "count"
+ID = "id"
+# Per-shard tallies (train rows per user, per item; distinct rows per item) as Arrow tables.
+COUNTS_SCHEMA = pa.schema([(ID, pa.string()), (COUNT, pa.int64())])
 
 # (timestamp, item, file, row, weight, raw): see records.Event.
 EventValue = tuple[int, str, str, int, float, Raw]
@@ -127,51 +144,249 @@ def split_user(
     return rows, rejected
 
 
-class _SplitAndWriteShard(beam.DoFn):
-    """One shard's events -> its three TFRecord files; outputs counts, not rows."""
+# --- the columnar shard split ----------------------------------------------------------------
 
-    def __init__(self, settings: SplitSettings, out_dir: str, num_shards: int) -> None:
+
+@dataclass
+class ShardSplit:
+    """A shard's kept rows in protocol order, their split and history, and the rejections."""
+
+    rows: pa.Table  # user, item, timestamp, weight, ... sorted by (user, time, item)
+    split: np.ndarray  # index into SPLITS per row
+    history_start: np.ndarray  # per row: its history is rows[history_start:row] (same user)
+    rejected: list[Rejection]
+
+
+def sort_shard(table: pa.Table) -> pa.Table:
+    """A shard's rows by (user, timestamp, item, file, row): the protocol's order."""
+    if table.num_rows == 0:
+        return table
+    return table.take(pc.sort_indices(table, sort_keys=col.SORT_KEYS))
+
+
+def duplicate_rows(table: pa.Table) -> np.ndarray:
+    """Rows of a sorted shard equal in (user, timestamp, item) to the row before (not kept)."""
+    stamps = table.column(col.TS).to_numpy()
+    same = col.neighbours_equal(table.column(col.USER).combine_chunks())
+    same &= col.neighbours_equal(table.column(col.ITEM).combine_chunks())
+    same[1:] &= stamps[1:] == stamps[:-1]
+    return same
+
+
+def _group_starts(users: pa.Array) -> tuple[np.ndarray, np.ndarray]:
+    """(index of each user's first row, per row the number of its user) for sorted rows."""
+    first = ~col.neighbours_equal(users)
+    if len(first):
+        first[0] = True
+    return np.flatnonzero(first), np.cumsum(first) - 1
+
+
+def count_lookup(ids: pa.Array, counts: pa.Table | None) -> np.ndarray:
+    """Per id its count in a (id, count) table, 0 when absent."""
+    if counts is None or counts.num_rows == 0:
+        return np.zeros(len(ids), dtype=np.int64)
+    where = pc.index_in(ids, value_set=counts.column(ID).combine_chunks())
+    found = pc.take(counts.column(COUNT).combine_chunks(), where)
+    return pc.fill_null(found, 0).to_numpy(zero_copy_only=False)
+
+
+def _rejections(
+    table: pa.Table, mask: np.ndarray, field: str | None, reason: str, files: Sequence[str]
+) -> list[Rejection]:
+    """One rejection per masked row (raw None for columnar files: read back later)."""
+    if not mask.any():
+        return []
+    picked = table.filter(pa.array(mask))
+    return [
+        rejection(files[f], r, field, reason, raw)
+        for f, r, raw in zip(
+            picked.column(col.FILE).to_pylist(),
+            picked.column(col.ROW).to_pylist(),
+            picked.column(col.RAW).to_pylist(),
+            strict=True,
+        )
+    ]
+
+
+def split_shard(
+    table: pa.Table,
+    settings: SplitSettings,
+    files: Sequence[str],
+    item_counts: pa.Table | None = None,
+) -> ShardSplit:
+    """A shard's validated rows -> kept rows with split and history, and the rejections.
+
+    Same checks in the same order as `split_user`: exact duplicates, rare items, rare users.
+    """
+    s = settings
+    table = sort_shard(table)
+    dup = duplicate_rows(table)
+    rejected = _rejections(table, dup, None, DUPLICATE, files)
+    table = table.filter(pa.array(~dup))
+    if s.min_item_count and item_counts is not None:
+        rare = count_lookup(table.column(col.ITEM).combine_chunks(), item_counts) < s.min_item_count
+        rejected += _rejections(table, rare, ITEM_ID, RARE_ITEM, files)
+        table = table.filter(pa.array(~rare))
+    users = table.column(col.USER).combine_chunks()
+    starts, group = _group_starts(users)
+    sizes = np.diff(np.append(starts, table.num_rows))
+    if s.min_user_count:
+        rare = sizes[group] < s.min_user_count
+        rejected += _rejections(table, rare, USER_ID, RARE_USER, files)
+        table = table.filter(pa.array(~rare))
+        users = table.column(col.USER).combine_chunks()
+        starts, group = _group_starts(users)
+        sizes = np.diff(np.append(starts, table.num_rows))
+    n = table.num_rows
+    position = np.arange(n) - starts[group] if n else np.zeros(0, dtype=np.int64)
+    # Split codes index SPLITS: 0 train, 1 validation, 2 test.
+    if s.protocol == TIME_WINDOW:
+        test_from = s.cutoff - s.eval_days * SECONDS_PER_DAY
+        validation_from = test_from - s.eval_days * SECONDS_PER_DAY
+        stamps = table.column(col.TS).to_numpy()
+        split = np.where(stamps >= test_from, 2, np.where(stamps >= validation_from, 1, 0))
+    else:
+        size = sizes[group] if n else np.zeros(0, dtype=np.int64)
+        eligible = size >= s.min_interactions
+        split = np.where(eligible & (position == size - 1), 2, 0)
+        split = np.where(eligible & (position == size - 2), 1, split)
+    history_start = np.arange(n) - np.minimum(position, s.history_length)
+    return ShardSplit(table, split.astype(np.int64), history_start, rejected)
+
+
+def write_split(result: ShardSplit, code: int, out: TFRecordFile) -> int:
+    """Encode one split's rows of a shard into its TFRecord file; returns the number of rows."""
+    chosen = np.flatnonzero(result.split == code)
+    rows = result.rows
+    users, items = rows.column(col.USER), rows.column(col.ITEM)
+    stamps, weights = rows.column(col.TS).to_numpy(), rows.column(col.WEIGHT).to_numpy()
+    for start in range(0, len(chosen), ENCODE_ROWS):
+        index = chosen[start : start + ENCODE_ROWS]
+        # The chunk's histories lie in rows[lo:hi]: frame those items once.
+        lo, hi = int(result.history_start[index].min()), int(index.max())
+        pieces = history_pieces(items.slice(lo, hi - lo).combine_chunks())
+        take = pa.array(index)
+        columns = {
+            USER_ID: users.take(take).combine_chunks(),
+            ITEM_ID: items.take(take).combine_chunks(),
+            TIMESTAMP: stamps[index],
+            WEIGHT: weights[index],
+            HISTORY: gather_lists(pieces, result.history_start[index] - lo, index - lo),
+        }
+        out.write(frame_records(encode_batch(columns)))
+    return len(chosen)
+
+
+def train_counts(result: ShardSplit) -> tuple[pa.Table, pa.Table]:
+    """(user, train rows) and (item, train rows) tables of a shard's split."""
+    train = result.split == 0
+    users = result.rows.column(col.USER).combine_chunks()
+    starts, group = _group_starts(users)
+    per_user = np.bincount(group[train], minlength=len(starts))
+    has_train = np.flatnonzero(per_user)
+    user_table = pa.table(
+        [users.take(pa.array(starts[has_train])), pa.array(per_user[has_train])],
+        schema=COUNTS_SCHEMA,
+    )
+    return user_table, value_counts(result.rows.column(col.ITEM).filter(pa.array(train)))
+
+
+def value_counts(values: pa.Array | pa.ChunkedArray) -> pa.Table:
+    """(id, count) of each distinct value."""
+    counted = pc.value_counts(values)
+    return pa.table(
+        [counted.field("values").cast(pa.string()), counted.field("counts").cast(pa.int64())],
+        schema=COUNTS_SCHEMA,
+    )
+
+
+def sum_counts(parts: Iterable[bytes]) -> bytes:
+    """Per-shard (id, count) tables -> one table of the summed counts, as IPC bytes."""
+    table = col.concat_ipc(parts, COUNTS_SCHEMA)
+    summed = table.group_by(ID).aggregate([(COUNT, "sum")])
+    summed = summed.rename_columns([ID, COUNT] if summed.column_names[0] == ID else [COUNT, ID])
+    return col.to_ipc(summed.select([ID, COUNT]))
+
+
+class _DedupeShard(beam.DoFn):
+    """A shard's batches -> its de-duplicated rows (one element), distinct rows per item and
+    the duplicates' rejections: the first pass when rare items need global counts."""
+
+    def __init__(self, files: Sequence[str], spill_dir: str | None = None) -> None:
+        self._files = list(files)
+        self._spill = spill_dir
+
+    def process(self, element: tuple[int, Iterable[col.Part | None]]) -> Iterator[Any]:
+        shard, parts = element
+        kept_parts: list[col.Part] = []
+        spill = col.SpillFiles(self._spill, f"kept-{shard:05d}") if self._spill else None
+        for table in col.in_passes(parts, PASS_ROWS):
+            table = sort_shard(table)
+            dup = duplicate_rows(table)
+            for rej in _rejections(table, dup, None, DUPLICATE, self._files):
+                yield beam.pvalue.TaggedOutput(REJECTED, rej)
+            kept = table.filter(pa.array(~dup))
+            counts = value_counts(kept.column(col.ITEM))
+            yield beam.pvalue.TaggedOutput(ITEM_COUNTS, col.to_ipc(counts))
+            if spill is not None:
+                spill.write(0, kept)
+            else:
+                kept_parts.append((kept.num_rows, col.to_ipc(kept)))
+        if spill is not None:
+            kept_parts = [part for _, part in spill.close()]
+        yield shard, kept_parts
+
+
+class _SplitAndWriteShard(beam.DoFn):
+    """One shard's batches -> its three TFRecord files; outputs counts, not rows."""
+
+    def __init__(
+        self, settings: SplitSettings, out_dir: str, num_shards: int, files: Sequence[str]
+    ) -> None:
         self._s = settings
         self._out = out_dir
         self._shards = num_shards
+        self._files = list(files)
 
     def process(
         self,
-        element: tuple[int, Iterable[Event | None]],
-        item_counts: Mapping[str, int] | None = None,
+        element: tuple[int, Iterable[col.Part | None]],
+        item_counts: bytes | None = None,
     ) -> Iterator[Any]:
-        shard, keyed = element
-        by_user: dict[str, list[EventValue]] = defaultdict(list)
-        for event in keyed:
-            if event is not None:  # None: the marker that makes empty shards exist
-                by_user[event[0]].append(event[1])
-        out: dict[str, list[Interaction]] = {name: [] for name in SPLITS}
-        items: Counter[str] = Counter()
-        for user in sorted(by_user):  # users in id order, each in time order: a stable file
-            rows, rejected = split_user(user, by_user.pop(user), self._s, item_counts)
-            for rej in rejected:
-                yield beam.pvalue.TaggedOutput(REJECTED, rej)
-            for name in SPLITS:
-                out[name].extend(rows[name])
-            if rows[TRAIN]:
-                yield beam.pvalue.TaggedOutput(USERS, (user, len(rows[TRAIN])))
-                items.update(row[1] for row in rows[TRAIN])
-        for name in SPLITS:
-            write_shard(out[name], shard_path(f"{self._out}/{name}", shard, self._shards))
-            yield beam.pvalue.TaggedOutput(COUNTS, (SPLIT_KEY + name, len(out[name])))
-        for pair in sorted(items.items()):
-            yield beam.pvalue.TaggedOutput(ITEMS, pair)
+        shard, parts = element
+        counts = col.from_ipc(item_counts) if item_counts is not None else None
+        paths = [shard_path(f"{self._out}/{name}", shard, self._shards) for name in SPLITS]
+        outs = [TFRecordFile(path) for path in paths]
+        written = [0] * len(SPLITS)
+        try:
+            # Users never straddle passes: each pass is a range of user buckets.
+            for table in col.in_passes(parts, PASS_ROWS):
+                result = split_shard(table, self._s, self._files, counts)
+                for rej in result.rejected:
+                    yield beam.pvalue.TaggedOutput(REJECTED, rej)
+                for code, out in enumerate(outs):
+                    written[code] += write_split(result, code, out)
+                users, items = train_counts(result)
+                yield beam.pvalue.TaggedOutput(USERS, col.to_ipc(users))
+                yield beam.pvalue.TaggedOutput(ITEMS, col.to_ipc(items))
+        finally:
+            for out in outs:
+                out.close()
+        for name, rows in zip(SPLITS, written, strict=True):
+            yield beam.pvalue.TaggedOutput(COUNTS, (SPLIT_KEY + name, rows))
 
 
 class SplitAndWrite(beam.PTransform):
-    """Events keyed by user -> `<split>-SSSSS-of-NNNNN.tfrecord.gz` files, and the tallies.
+    """(shard, (rows, IPC bytes or spill file)) -> `<split>-SSSSS-of-NNNNN.tfrecord.gz` files.
 
-    One shuffle, keyed by shard (a stable hash of the user id): each shard's users are split,
-    get their history and are written by one worker, in sorted order, so the files are
+    One shuffle, keyed by shard (crc32 of the user id): each shard's users are split, get
+    their history and are written by one worker, in sorted order, so the files are
     byte-identical whatever the runner. Outputs: `rejected` (duplicates, rare users/items),
-    `counts` (("split:<name>", rows) per shard), `users` ((user, train rows)) and `items`
-    ((item, train rows) per shard: sum them). A shard is held in one worker's memory: raise
-    preprocess.num_shards with the input size (a shard of ~10M rows needs a few GB).
+    `counts` (("split:<name>", rows) per shard), `users` and `items` (IPC tables of (id, train
+    rows); items are summed over shards). A worker unpacks at most PASS_ROWS rows of a shard
+    at a time (a range of user buckets); with `spill_dir` the shard's batches stay on disk.
+    With min_item_count, a first pass per shard drops duplicates and counts distinct rows
+    per item, and the split runs on its output with the summed counts as a side input.
     """
 
     def __init__(
@@ -179,28 +394,51 @@ class SplitAndWrite(beam.PTransform):
         settings: SplitSettings,
         out_dir: str,
         num_shards: int,
-        item_counts: beam.PCollection | None = None,
+        files: Sequence[str],
+        spill_dir: str | None = None,
     ) -> None:
         super().__init__()
         self._s = settings
         self._out = out_dir
         self._shards = num_shards
-        self._counts = item_counts
+        self._files = list(files)
+        self._spill = spill_dir
 
     @no_annotations  # Beam only understands PCollection-typed expand hints
-    def expand(self, events: beam.PCollection) -> beam.pvalue.DoOutputsTuple:
+    def expand(self, batches: beam.PCollection) -> beam.pvalue.DoOutputsTuple:
         n = self._shards
-        extra = {}
-        if self._counts is not None:
-            extra["item_counts"] = beam.pvalue.AsDict(self._counts)
-        markers = events.pipeline | "ShardMarkers" >> beam.Create([(i, None) for i in range(n)])
-        keyed = events | "KeyByShard" >> beam.Map(lambda event: (shard_of(event[0], n), event))
-        return (
-            (keyed, markers)
+        markers = batches.pipeline | "ShardMarkers" >> beam.Create([(i, None) for i in range(n)])
+        grouped = (
+            (batches, markers)
             | "WithMarkers" >> beam.Flatten()
-            | "GroupByShard" >> beam.GroupByKey()
-            | "SplitAndWrite"
-            >> beam.ParDo(_SplitAndWriteShard(self._s, self._out, n), **extra).with_outputs(
+            | "GroupByShard" >> (beam.GroupByKey())
+        )
+        split_fn = _SplitAndWriteShard(self._s, self._out, n, self._files)
+        if not self._s.min_item_count:
+            return grouped | "SplitAndWrite" >> beam.ParDo(split_fn).with_outputs(
                 REJECTED, COUNTS, USERS, ITEMS
             )
+        dedupe = _DedupeShard(self._files, self._spill)
+        first = grouped | "Dedupe" >> beam.ParDo(dedupe).with_outputs(
+            REJECTED, ITEM_COUNTS, main="kept"
         )
+        counts = (
+            first[ITEM_COUNTS]
+            | "AllItemCounts" >> beam.combiners.ToList()
+            | "SumItemCounts" >> beam.Map(sum_counts)
+        )
+        out = first.kept | "SplitAndWrite" >> beam.ParDo(
+            split_fn, item_counts=beam.pvalue.AsSingleton(counts)
+        ).with_outputs(REJECTED, COUNTS, USERS, ITEMS)
+        rejected = (first[REJECTED], out[REJECTED]) | "AllSplitRejected" >> beam.Flatten()
+        return _Outputs(rejected, out[COUNTS], out[USERS], out[ITEMS])
+
+
+@dataclass(frozen=True)
+class _Outputs:
+    """The same attributes as the DoOutputsTuple of the one-pass case."""
+
+    rejected: beam.PCollection
+    counts: beam.PCollection
+    users: beam.PCollection
+    items: beam.PCollection

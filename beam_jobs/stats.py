@@ -40,7 +40,15 @@ READ_REASONS = frozenset(
     }
 )
 VALIDATION_REASONS = frozenset(
-    {r.MISSING_FIELD, r.BAD_ID, r.BAD_TIMESTAMP, r.BAD_WEIGHT, r.AFTER_RUN_DATE, r.UNKNOWN_ITEM}
+    {
+        r.MISSING_FIELD,
+        r.BAD_ID,
+        r.BAD_TIMESTAMP,
+        r.BAD_WEIGHT,
+        r.AFTER_RUN_DATE,
+        r.BEFORE_MIN_TIMESTAMP,
+        r.UNKNOWN_ITEM,
+    }
 )
 TOP_SHARE = 0.01  # popularity concentration: share of train interactions of the top 1% of items
 

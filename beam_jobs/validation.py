@@ -9,6 +9,7 @@ from beam_jobs.records import (
     BAD_ID,
     BAD_TIMESTAMP,
     BAD_WEIGHT,
+    BEFORE_MIN_TIMESTAMP,
     MISSING_FIELD,
     Event,
     RawRow,
@@ -117,8 +118,12 @@ def parse_weight(value: Any) -> float:
     return weight
 
 
-def validate(row: RawRow, cutoff: int, unit_divisor: int = 1) -> Event | Rejection:
-    """One raw row -> an Event keyed by user id, or the Rejection of its first bad field."""
+def validate(row: RawRow, cutoff: int, unit_divisor: int = 1, floor: int = 0) -> Event | Rejection:
+    """One raw row -> an Event keyed by user id, or the Rejection of its first bad field.
+
+    Accepted timestamps are in [floor, cutoff): the run date's end, and the configured lower
+    bound (preprocess.min_timestamp / max_age_days; 0 when unset).
+    """
     file, line, (user, item, timestamp, weight), raw = row
     field = USER_ID
     try:
@@ -133,4 +138,6 @@ def validate(row: RawRow, cutoff: int, unit_divisor: int = 1) -> Event | Rejecti
         return rejection(file, line, field, exc.reason, raw)
     if seconds >= cutoff:
         return rejection(file, line, TIMESTAMP, AFTER_RUN_DATE, raw)
+    if seconds < floor:
+        return rejection(file, line, TIMESTAMP, BEFORE_MIN_TIMESTAMP, raw)
     return user_id, (seconds, item_id, file, line, strength, raw)

@@ -1,13 +1,16 @@
 """Benchmark of the Beam preprocessing job against a naive per-element Beam pipeline and a
 plain pyarrow + TFRecord script (no Beam), on generated interaction logs.
 
-    .venv/bin/python benchmarks/beam_preprocess.py --rows 1000000 10000000
+    .venv/bin/python benchmarks/beam_preprocess.py --rows 1000000 10000000 --rounds 3 1
 
 Each variant runs in a fresh child process (so peak memory is its own ru_maxrss, and the
-TensorFlow/Beam imports are paid equally); all three do the same work: read Parquet, validate,
+TensorFlow/Beam imports are paid equally and not timed); the variants run interleaved in
+rounds (ours, naive, plain, ours, ...) so that load from other processes hits them alike,
+and ratios are taken within a round. All three do the same work: read Parquet, validate,
 drop exact duplicates, leave-last-out split per user with a 20-item history, serialise
-tf.train.Example with recsys.schema.encode_example and write gzip TFRecords. Results are printed
-as JSON lines and as a markdown table (docs/BENCHMARKS.md).
+tf.train.Example (ours with beam_jobs.examples, byte-identical to the other two's
+recsys.schema.encode_example) and write gzip TFRecords at level 6. Results are printed as JSON
+lines and as a markdown table (docs/BENCHMARKS.md).
 """
 
 from __future__ import annotations
@@ -19,6 +22,8 @@ import io
 import json
 import os
 import resource
+import shutil
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -236,11 +241,30 @@ def child(variant: str, data: Path, out: Path) -> None:
     print(json.dumps(result))
 
 
+def run_child(variant: str, data: Path, out: Path) -> dict[str, Any]:
+    """One variant in a fresh child process; its JSON result (peak RSS is the child's own)."""
+    shutil.rmtree(out, ignore_errors=True)
+    proc = subprocess.run(
+        [sys.executable, __file__, "--child", variant, str(data), str(out)],
+        capture_output=True, text=True, check=False,
+    )  # fmt: skip
+    shutil.rmtree(out, ignore_errors=True)
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
+    if proc.returncode or not lines:
+        print(proc.stderr[-3000:], file=sys.stderr)
+        raise SystemExit(f"{variant} on {data} failed (exit {proc.returncode})")
+    return json.loads(lines[-1])
+
+
 def main() -> None:
-    """Generate each size, run every variant in a child process, print JSON and a table."""
+    """Generate each size, run the variants interleaved in rounds, print JSON and tables."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rows", type=int, nargs="+", default=[1_000_000, 10_000_000])
+    parser.add_argument(
+        "--rounds", type=int, nargs="+", default=[3], help="rounds per size (one, or one per size)"
+    )
     parser.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
+    parser.add_argument("--workdir", type=Path, default=None, help="where data and outputs go")
     parser.add_argument(
         "--child", nargs=3, metavar=("VARIANT", "DATA", "OUT"), help=argparse.SUPPRESS
     )
@@ -248,35 +272,42 @@ def main() -> None:
     if args.child:
         child(args.child[0], Path(args.child[1]), Path(args.child[2]))
         return
+    rounds = args.rounds * len(args.rows) if len(args.rounds) == 1 else args.rounds
     results = []
-    with tempfile.TemporaryDirectory(prefix="beam-bench-") as tmp:
-        for rows in args.rows:
+    with tempfile.TemporaryDirectory(prefix="beam-bench-", dir=args.workdir) as tmp:
+        for rows, count in zip(args.rows, rounds, strict=True):
             data = generate(rows, Path(tmp) / f"data-{rows}")
-            for variant in args.variants:
-                out = Path(tmp) / f"out-{rows}-{variant}"
-                proc = subprocess.run(
-                    [sys.executable, __file__, "--child", variant, str(data), str(out)],
-                    capture_output=True, text=True, check=False,
-                )  # fmt: skip
-                lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
-                if proc.returncode or not lines:
-                    print(proc.stderr[-3000:], file=sys.stderr)
-                    raise SystemExit(f"{variant} on {rows} rows failed (exit {proc.returncode})")
-                result = json.loads(lines[-1])
-                results.append(result)
-                print(json.dumps(result), flush=True)
+            # Interleaved (ours, naive, plain, ours, ...): load from other processes on a
+            # shared machine then hits every variant alike, and ratios are taken per round.
+            for round_ in range(count):
+                for variant in args.variants:
+                    result = run_child(variant, data, Path(tmp) / f"out-{rows}-{variant}")
+                    result["round"] = round_
+                    results.append(result)
+                    print(json.dumps(result), flush=True)
+            shutil.rmtree(data, ignore_errors=True)
     print(table(results))
 
 
 def table(results: list[dict[str, Any]]) -> str:
-    """A markdown table with ratios of our job to the other two, per size."""
-    lines = ["| rows | variant | seconds | rows/s | peak RSS MiB | ours / this |",
-             "|---:|---|---:|---:|---:|---:|"]  # fmt: skip
-    for r in results:
-        ours = next(o for o in results if o["rows"] == r["rows"] and o["variant"] == "ours")
-        ratio = ours["rows_per_s"] / r["rows_per_s"]
-        lines.append(f"| {r['rows']:,} | {r['variant']} | {r['seconds']} | {r['rows_per_s']:,} | "
-                     f"{r['peak_rss_mib']:,} | {ratio:.2f}x |")  # fmt: skip
+    """Markdown: per size and variant the median rows/s and peak RSS over rounds, and the
+    median over rounds of our rows/s divided by that variant's in the same round."""
+    lines = ["| rows | variant | rounds | median s | median rows/s | peak RSS MiB (max) | "
+             "ours / this (median of same-round ratios) |",
+             "|---:|---|---:|---:|---:|---:|---:|"]  # fmt: skip
+    for rows in dict.fromkeys(r["rows"] for r in results):
+        runs = [r for r in results if r["rows"] == rows]
+        ours = {r["round"]: r["rows_per_s"] for r in runs if r["variant"] == "ours"}
+        for variant in dict.fromkeys(r["variant"] for r in runs):
+            mine = [r for r in runs if r["variant"] == variant]
+            ratios = [ours[r["round"]] / r["rows_per_s"] for r in mine if r["round"] in ours]
+            ratio = f"{statistics.median(ratios):.2f}x" if ratios else "-"
+            lines.append(
+                f"| {rows:,} | {variant} | {len(mine)} | "
+                f"{statistics.median(r['seconds'] for r in mine):.1f} | "
+                f"{round(statistics.median(r['rows_per_s'] for r in mine)):,} | "
+                f"{max(r['peak_rss_mib'] for r in mine):,} | {ratio} |"
+            )
     return "\n".join(lines)
 
 

@@ -10,7 +10,11 @@ exact ranking over the whole catalog) it measures:
 - the same model with training metrics off = (b);
 - our trainer on the same model settings = (c), and our default config;
 - exact evaluation (`recsys.evaluation`) vs TFRS FactorizedTopK `evaluate` on the same
-  embeddings, on ML-100K and on a generated 100K-item catalog.
+  embeddings, on ML-100K and on a generated 100K-item catalog, with the peak memory of each.
+
+Timings on a shared machine are noisy, so (a), (b) and (c) run in `--rounds` interleaved
+rounds (a, b, c, a, b, c, ...) and the medians and per-round ratios are reported, with the
+load average seen during the run.
 
 Usage:
     .venv/bin/python benchmarks/quality_ml100k.py --data ../shared/data/ml-100k \
@@ -23,9 +27,13 @@ import argparse
 import datetime as dt
 import json
 import logging
+import os
+import statistics
 import sys
 import tempfile
+import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -202,9 +210,51 @@ def run_ours(config: RecsysConfig, workdir: Workdir, data_dir: Path) -> dict[str
     return {
         "examples_per_second": round(result.steady_examples_per_second),
         "seconds": round(result.seconds, 1),
+        "jit_compile": result.jit_compile,
+        "cached": result.cached,
         "final_loss": round(history["loss"][-1], 4),
         "test": {k: round(report["model"][k], 4) for k in REPORTED},
     }
+
+
+def speed_rounds(
+    contenders: dict[str, Callable[[], dict[str, Any]]], rounds: int
+) -> dict[str, Any]:
+    """Every contender once per round, interleaved; medians and same-round ratios to the first.
+
+    On a shared machine the load drifts between minutes: comparing runs of the same round
+    cancels most of it.
+    """
+    runs: dict[str, list[dict[str, Any]]] = {name: [] for name in contenders}
+    loads = []
+    for r in range(rounds):
+        for name, run in contenders.items():
+            runs[name].append(run())
+            loads.append(os.getloadavg()[0])
+            speed = runs[name][-1]["examples_per_second"]
+            print(f"round {r + 1} {name}: {speed} ex/s, load {loads[-1]:.1f}", file=sys.stderr)
+    out: dict[str, Any] = {}
+    names = list(contenders)
+    for name in names:
+        speeds = [run["examples_per_second"] for run in runs[name]]
+        out[name] = {
+            **runs[name][0],
+            "examples_per_second": round(statistics.median(speeds)),
+            "examples_per_second_rounds": speeds,
+            "recall_at_10_rounds": [run["test"]["recall_at_10"] for run in runs[name]],
+        }
+    last = names[-1]
+    for ref in names[:-1]:
+        ratios = [
+            c["examples_per_second"] / a["examples_per_second"]
+            for c, a in zip(runs[last], runs[ref], strict=True)
+        ]
+        out[f"ratio_{last}_over_{ref}"] = {
+            "median": round(statistics.median(ratios), 2),
+            "rounds": [round(x, 2) for x in ratios],
+        }
+    out["load_average_1min"] = {"min": min(loads), "max": max(loads)}
+    return out
 
 
 def tutorial_settings(config: RecsysConfig) -> RecsysConfig:
@@ -235,29 +285,69 @@ def tutorial_settings(config: RecsysConfig) -> RecsysConfig:
     )
 
 
+def _rss_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def timed_peak(fn: Callable[[], object]) -> tuple[float, int]:
+    """(seconds, peak resident memory above the starting level in bytes) of one call.
+
+    A thread samples the process RSS every 2 ms: numpy and TensorFlow allocations both show.
+    """
+    base, peak, done = _rss_bytes(), [0], threading.Event()
+
+    def sample() -> None:
+        while not done.is_set():
+            peak[0] = max(peak[0], _rss_bytes())
+            time.sleep(0.002)
+
+    sampler = threading.Thread(target=sample, daemon=True)
+    sampler.start()
+    start = time.perf_counter()
+    fn()
+    seconds = time.perf_counter() - start
+    done.set()
+    sampler.join()
+    return seconds, max(peak[0], _rss_bytes()) - base
+
+
 def exact_vs_factorized(
-    users: np.ndarray, items: np.ndarray, data: ev.EvalSet, targets: np.ndarray
-) -> dict[str, float]:
-    """Seconds for exact evaluation vs FactorizedTopK over the same embeddings."""
-    start = time.perf_counter()
-    ev.evaluate(ev.dot_product_scores(users, items), data, EVAL)
-    exact = time.perf_counter() - start
-    metric = tfrs.metrics.FactorizedTopK(
-        candidates=tf.data.Dataset.from_tensor_slices(items).batch(128), ks=(10, 50, 100)
-    )
-    start = time.perf_counter()
-    for lo in range(0, len(users), 4096):
-        metric.update_state(users[lo : lo + 4096], items[targets[lo : lo + 4096]])
-    metric.result()
-    factorized = time.perf_counter() - start
+    users: np.ndarray, items: np.ndarray, data: ev.EvalSet, targets: np.ndarray, rounds: int
+) -> dict[str, Any]:
+    """Seconds (median of interleaved rounds) and peak memory, exact vs FactorizedTopK."""
+
+    def exact() -> None:
+        ev.evaluate(ev.dot_product_scores(users, items), data, EVAL)
+
+    def factorized() -> None:
+        metric = tfrs.metrics.FactorizedTopK(
+            candidates=tf.data.Dataset.from_tensor_slices(items).batch(128), ks=(10, 50, 100)
+        )
+        for lo in range(0, len(users), 4096):
+            metric.update_state(users[lo : lo + 4096], items[targets[lo : lo + 4096]])
+        metric.result()
+
+    exact()  # warm-up: BLAS threads, TF graph building
+    factorized()
+    e_runs, f_runs = [], []
+    for _ in range(rounds):
+        e_runs.append(timed_peak(exact))
+        f_runs.append(timed_peak(factorized))
+    ratios = [f[0] / e[0] for e, f in zip(e_runs, f_runs, strict=True)]
+    mib = 1 << 20
     return {
-        "exact_seconds": round(exact, 3),
-        "factorized_topk_seconds": round(factorized, 3),
-        "speedup": round(factorized / exact, 1),
+        "exact_seconds": round(statistics.median(e[0] for e in e_runs), 3),
+        "factorized_topk_seconds": round(statistics.median(f[0] for f in f_runs), 3),
+        "speedup": round(statistics.median(ratios), 1),
+        "speedup_rounds": [round(x, 1) for x in ratios],
+        "exact_peak_mib": round(max(e[1] for e in e_runs) / mib, 1),
+        "factorized_topk_peak_mib": round(max(f[1] for f in f_runs) / mib, 1),
+        "scores_batch_mib": round(EVAL.user_batch_size * data.num_items * 4 / mib, 1),
     }
 
 
-def run_eval_speed(s: Splits, tutorial: TutorialModel) -> dict[str, Any]:
+def run_eval_speed(s: Splits, tutorial: TutorialModel, rounds: int) -> dict[str, Any]:
     """Exact evaluation vs FactorizedTopK on ML-100K and on a generated 100K-item catalog."""
     known = s.test_set.targets >= 0
     users = tutorial.user_model(tf.constant(s.test_set.users)).numpy()[known]
@@ -268,7 +358,7 @@ def run_eval_speed(s: Splits, tutorial: TutorialModel) -> dict[str, Any]:
         [e for e, k in zip(s.test_set.exclude, known, strict=True) if k],
         len(s.items),
     )
-    out = {"ml100k": exact_vs_factorized(users, items, data, data.targets)}
+    out = {"ml100k": exact_vs_factorized(users, items, data, data.targets, rounds)}
     rng = np.random.default_rng(0)
     n_users, n_items = 2000, 100_000
     big_users = rng.normal(size=(n_users, 32)).astype(np.float32)
@@ -277,7 +367,7 @@ def run_eval_speed(s: Splits, tutorial: TutorialModel) -> dict[str, Any]:
     exclude = [rng.integers(0, n_items, 50) for _ in range(n_users)]
     exclude = [e[e != t] for e, t in zip(exclude, targets, strict=True)]
     big = ev.EvalSet([f"u{i}" for i in range(n_users)], targets, exclude, n_items)
-    out["generated_100k_items"] = exact_vs_factorized(big_users, big_items, big, targets)
+    out["generated_100k_items"] = exact_vs_factorized(big_users, big_items, big, targets, rounds)
     return out
 
 
@@ -287,6 +377,8 @@ def main() -> int:
     parser.add_argument("--data", default=str(REPO.parent / "shared/data/ml-100k"))
     parser.add_argument("--config", default=str(REPO / "configs/movielens-100k.yaml"))
     parser.add_argument("--out", default=str(REPO / "benchmarks/results/quality_ml100k.json"))
+    parser.add_argument("--rounds", type=int, default=3, help="interleaved speed rounds")
+    parser.add_argument("--skip-baselines", action="store_true", help="speed only (quicker)")
     args = parser.parse_args()
     logging.basicConfig(level=logging.WARNING)
     config = load_config(args.config)
@@ -303,16 +395,33 @@ def main() -> int:
             "test_users": len(s.test_set.users),
             "train_examples": int(stats["splits"]["train"]),
         }
-        results["baselines"] = run_baselines(s)
-        results["tutorial_a_metrics_in_training"], _ = run_tutorial(s, metrics_in_training=True)
-        results["tutorial_b_metrics_off"], tutorial = run_tutorial(s, metrics_in_training=False)
-        results["ours_c_tutorial_settings"] = run_ours(tutorial_settings(config), workdir, data_dir)
+        if not args.skip_baselines:
+            results["baselines"] = run_baselines(s)
+        tutorials: dict[bool, TutorialModel] = {}
+
+        def tutorial(metrics_in_training: bool) -> dict[str, Any]:
+            out, tutorials[metrics_in_training] = run_tutorial(s, metrics_in_training)
+            return out
+
+        speed = speed_rounds(
+            {
+                "a": lambda: tutorial(True),
+                "b": lambda: tutorial(False),
+                "c": lambda: run_ours(tutorial_settings(config), workdir, data_dir),
+            },
+            args.rounds,
+        )
+        results["tutorial_a_metrics_in_training"] = speed.pop("a")
+        results["tutorial_b_metrics_off"] = speed.pop("b")
+        results["ours_c_tutorial_settings"] = speed.pop("c")
+        results["speed_ratios"] = {
+            "c_over_a": speed.pop("ratio_c_over_a"),
+            "c_over_b": speed.pop("ratio_c_over_b"),
+        }
+        results["speed_load_average_1min"] = speed.pop("load_average_1min")
         results["ours_default"] = run_ours(config, workdir, data_dir)
-        results["evaluation_speed"] = run_eval_speed(s, tutorial)
-    a = results["tutorial_a_metrics_in_training"]["examples_per_second"]
-    b = results["tutorial_b_metrics_off"]["examples_per_second"]
-    c = results["ours_c_tutorial_settings"]["examples_per_second"]
-    results["speed_ratios"] = {"c_over_a": round(c / a, 2), "c_over_b": round(c / b, 2)}
+        results["evaluation_speed"] = run_eval_speed(s, tutorials[False], args.rounds)
+        results["evaluation_load_average_1min"] = os.getloadavg()[0]
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(results, indent=2) + "\n")
     json.dump(results, sys.stdout, indent=2)

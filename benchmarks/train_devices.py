@@ -7,12 +7,17 @@ two-tower model on a generated log with every combination of
     strategy  in {one_device, mirrored (all GPUs; skipped with fewer than 2)}
 
 and reports examples/s after the first epoch (the first includes tracing) and the ratio of
-each variant to float32 on one device. On CPU it still runs (`--smoke`, small data), which is
-how the script itself is kept working.
+each variant to float32 on one device, with the GPU names, the XLA and in-memory-cache
+settings each variant ran with (`--jit`, `--cache`: the trainer's `training.jit_compile`
+and `training.cache`; auto = XLA on one replica only, cache under 1 GiB) and the final loss
+(a sanity check that mixed precision trains). On CPU it still runs (`--smoke`, small data),
+which is how the script itself is kept working.
 
 Usage (GPU host, from the repository root, after `make install`):
     .venv/bin/python benchmarks/train_devices.py --users 200000 --items 50000 \
         --per-user 50 --epochs 3 --batch-size 8192 --out benchmarks/results/train_devices.json
+    # the same with XLA forced on for the mirrored variants too, data held in memory:
+    .venv/bin/python benchmarks/train_devices.py --jit on --cache memory ...
     .venv/bin/python benchmarks/train_devices.py --smoke        # CPU, about a minute
 """
 
@@ -57,6 +62,8 @@ def base_config(args: argparse.Namespace) -> RecsysConfig:
                 "epochs": args.epochs,
                 "batch_size": args.batch_size,
                 "learning_rate": args.learning_rate,
+                "jit_compile": args.jit,
+                "cache": args.cache,
             },
         }
     )
@@ -82,6 +89,8 @@ def run_variant(
         "strategy": result.strategy,
         "replicas": result.replicas,
         "precision": result.precision,
+        "jit_compile": result.jit_compile,
+        "cached": result.cached,
         "examples_per_second": round(result.steady_examples_per_second),
         "final_loss": round(result.history["loss"][-1], 4),
     }
@@ -99,6 +108,8 @@ def main() -> int:
     parser.add_argument("--epochs", type=int, default=3)
     parser.add_argument("--batch-size", type=int, default=8192)
     parser.add_argument("--learning-rate", type=float, default=0.01)
+    parser.add_argument("--jit", choices=["auto", "on", "off"], default="auto")
+    parser.add_argument("--cache", choices=["auto", "memory", "none"], default="auto")
     parser.add_argument("--smoke", action="store_true", help="tiny data for a CPU check")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
@@ -109,6 +120,10 @@ def main() -> int:
     config = base_config(args)
     results: dict[str, Any] = {
         "gpus": gpus,
+        "gpu_names": [
+            tf.config.experimental.get_device_details(g).get("device_name", g.name)
+            for g in tf.config.list_physical_devices("GPU")
+        ],
         "tensorflow": tf.__version__,
         "args": vars(args),
         "variants": [],

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import os
 import sys
@@ -16,6 +17,11 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 from recsys.config import load_config
 from recsys.errors import RecsysError
 from recsys.layout import parse_date
+from recsys.nightly import STAGES
+from recsys.redact import install_log_redaction, redact_text
+
+# Commands that write into the working directory: they take its lock (recsys.lock).
+_WRITERS = {"preprocess", "train", "evaluate", "export", "sync"}
 
 log = logging.getLogger("recsys")
 
@@ -53,6 +59,18 @@ def _parser() -> argparse.ArgumentParser:
         action="store_true",
         help="make this run champion even if the gate says keep (recorded as forced)",
     )
+    night.add_argument(
+        "--rerun-from",
+        choices=STAGES,
+        help="redo this stage and the ones after it even if they finished (default: resume)",
+    )
+    back = sub.add_parser(
+        "backfill",
+        parents=[common],
+        help="nightly for each date from --start to --end, stopping at the first failure",
+    )
+    back.add_argument("--start", required=True, help="first date YYYY-MM-DD")
+    back.add_argument("--end", required=True, help="last date YYYY-MM-DD (inclusive)")
     syn = sub.add_parser(
         "sync", parents=[common], help="log the date's runs left pending while MLflow was down"
     )
@@ -73,6 +91,16 @@ def _parser() -> argparse.ArgumentParser:
     rec.add_argument("--metric", required=True, help="e.g. ctr, watch_time")
     rec.add_argument("--value", required=True, type=float)
     rec.add_argument("--run-id", help="MLflow run id of the model behind this variant")
+    emb = sub.add_parser("embeddings", help="exported embeddings for other consumers")
+    emb_sub = emb.add_subparsers(dest="embeddings_command", required=True)
+    emb_exp = emb_sub.add_parser(
+        "export", parents=[common], help="a version's embeddings as parquet, npy or tfrecord"
+    )
+    emb_exp.add_argument("--version", required=True, type=int, help="export version V")
+    emb_exp.add_argument("--format", required=True, choices=["parquet", "npy", "tfrecord"])
+    emb_exp.add_argument(
+        "--output", help="output folder (default: <workdir>/embeddings-export/<V>-<format>)"
+    )
     return parser
 
 
@@ -86,10 +114,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     for noisy in ("apache_beam", "absl", "tensorflow", "mlflow", "alembic"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
+    # Every log line (ours, MLflow's, Beam's, and warnings routed through logging) loses URI
+    # credentials and secret values before it is written (docs/OPERATIONS.md, Security).
+    logging.captureWarnings(True)
+    install_log_redaction()
     try:
         return _dispatch(args)
     except RecsysError as exc:
-        print(f"recsys: error: {exc}", file=sys.stderr)
+        print(f"recsys: error: {redact_text(str(exc))}", file=sys.stderr)
         return exc.exit_code
     except KeyboardInterrupt:
         print("recsys: interrupted", file=sys.stderr)
@@ -101,7 +133,34 @@ def _dispatch(args: argparse.Namespace) -> int:
 
     config = load_config(args.config)
     workdir = stages.check_workdir(args.workdir)
-    date = parse_date(args.date)
+    date = parse_date(getattr(args, "date", None), config.nightly.timezone)
+    if args.command in ("nightly", "backfill") and _non_chief_worker():
+        from recsys.errors import ConfigError
+
+        raise ConfigError(
+            "TF_CONFIG names this process a non-chief worker: run `recsys nightly` on the "
+            "chief only and `recsys train` with the same --config/--date on the other workers"
+        )
+    # A non-chief multi-worker `train` writes nothing here, and must not wait for the chief.
+    if args.command in _WRITERS and not (args.command == "train" and _non_chief_worker()):
+        from recsys.lock import WorkdirLock
+
+        with WorkdirLock(workdir.root, command=f"recsys {args.command}"):
+            return _run_stage(args, config, workdir, date)
+    return _run_stage(args, config, workdir, date)
+
+
+def _non_chief_worker() -> bool:
+    if not os.environ.get("TF_CONFIG"):
+        return False
+    from recsys.training.trainer import is_chief
+
+    return not is_chief()
+
+
+def _run_stage(args: argparse.Namespace, config: Any, workdir: Any, date: Any) -> int:
+    from recsys import stages
+
     if args.command == "preprocess":
         out, stats = stages.preprocess(
             config, workdir, date, args.input, Path(args.output) if args.output else None
@@ -111,7 +170,7 @@ def _dispatch(args: argparse.Namespace) -> int:
         if args.input:
             config = config.with_input(args.input)
         run_dir, result = stages.train(config, workdir, date)
-        print(f"trained run: {run_dir}")
+        print(f"trained run: {run_dir or '(non-chief worker: the chief writes the run)'}")
         print(
             f"final loss: {result.history['loss'][-1]:.4f} "
             f"({result.examples_per_second:,.0f} examples/s)"
@@ -124,13 +183,22 @@ def _dispatch(args: argparse.Namespace) -> int:
         exported = stages.export(config, workdir, date, args.run_id, args.verify)
         _print_export(exported)
     elif args.command == "nightly":
-        result = stages.nightly(config, workdir, date, args.input, args.force_promote)
-        _print_stats(result.data_dir, _read_stats(result.data_dir))
-        print(f"run:         {result.run_dir}")
-        _print_export(result.export)
-        print(f"mlflow run:  {result.mlflow_run_id}")
-        _print_metrics(result.metrics)
-        _print_published(result.published)
+        from recsys.nightly import run_nightly
+
+        result = run_nightly(
+            config,
+            workdir,
+            date,
+            input_path=args.input,
+            force_promote=args.force_promote,
+            rerun_from=args.rerun_from,
+        )
+        _print_nightly(result)
+    elif args.command == "backfill":
+        from recsys.nightly import backfill
+
+        start, end = parse_date(args.start), parse_date(args.end)
+        backfill(config, workdir, start, end, input_path=args.input, on_date=_print_nightly)
     elif args.command == "sync":
         published = stages.sync(config, workdir, date, args.tracking_uri)
         if not published:
@@ -140,6 +208,8 @@ def _dispatch(args: argparse.Namespace) -> int:
             _print_published(item)
     elif args.command == "compare":
         _compare(args, config, workdir)
+    elif args.command == "embeddings":
+        _embeddings(args, workdir)
     elif args.command == "ab":
         from recsys.tracking import record_ab_metric
 
@@ -156,6 +226,15 @@ def _dispatch(args: argparse.Namespace) -> int:
         print(f"recorded {args.metric}={args.value} for variant {args.variant} (run {run_id})")
     # Both gate outcomes (promote, keep) are successful runs: exit code 0.
     return 0
+
+
+def _embeddings(args: argparse.Namespace, workdir: Any) -> None:
+    from serving_export.formats import export_embeddings
+
+    default = workdir.root / "embeddings-export" / f"{args.version}-{args.format}"
+    output = Path(args.output) if args.output else default
+    for path in export_embeddings(workdir.embeddings(args.version), args.format, output):
+        print(f"wrote:       {path}")
 
 
 def _compare(args: argparse.Namespace, config: Any, workdir: Any) -> None:
@@ -175,25 +254,53 @@ def _compare(args: argparse.Namespace, config: Any, workdir: Any) -> None:
         print(f"mlflow run (comparisons experiment): {result.mlflow_run_id}")
 
 
+def _print_nightly(result: Any) -> None:
+    if result.already_done:
+        print(f"nightly {result.date}: already done, nothing to do (run {result.run_dir})")
+    _print_stats(result.data_dir, _read_stats(result.data_dir))
+    print(f"run:         {result.run_dir}")
+    print(
+        "stages:      "
+        + ", ".join(f"{s.name} {s.status} ({s.seconds:.1f} s)" for s in result.stages)
+    )
+    exported = json.loads((result.run_dir / "export.json").read_text())
+    for name, path in exported.get("models", {}).items():
+        print(f"savedmodel:  {name} -> {path}")
+    for name, path in exported.get("embeddings", {}).items():
+        print(f"embeddings:  {name} -> {path}")
+    publish = result.info("publish")
+    print(f"mlflow run:  {publish.get('mlflow_run_id')}")
+    metrics = json.loads((result.run_dir / "metrics.json").read_text())
+    _print_metrics(metrics)
+    print(
+        f"registered:  version {publish.get('registered_version')} "
+        f"(champion now: {publish.get('champion_version')})"
+    )
+    print(publish.get("summary", ""))
+    _print_checks(publish.get("checks", []))
+    if result.summary_path is not None:
+        print(f"summary:     {result.summary_path}")
+
+
 def _print_published(published: Any) -> None:
     if published is None:
         return
     decision = published.decision
     print(f"registered:  version {published.version} (champion now: {published.champion_version})")
     print(decision.summary())
-    for check in ([decision.primary] if decision.primary else []) + decision.guardrails:
-        ci = (
-            f" CI [{check.ci_low:+.4f}, {check.ci_high:+.4f}]"
-            if check.ci_low is not None and check.ci_high is not None
-            else ""
-        )
-        status = "pass" if check.passed else "FAIL"
-        print(f"  {status} {check.metric}: delta {check.delta:+.4f}{ci}")
+    checks = ([decision.primary] if decision.primary else []) + decision.guardrails
+    _print_checks([vars(c) for c in checks])
+
+
+def _print_checks(checks: list[dict[str, Any]]) -> None:
+    for check in checks:
+        low, high = check.get("ci_low"), check.get("ci_high")
+        ci = f" CI [{low:+.4f}, {high:+.4f}]" if low is not None and high is not None else ""
+        status = "pass" if check["passed"] else "FAIL"
+        print(f"  {status} {check['metric']}: delta {check['delta']:+.4f}{ci}")
 
 
 def _read_stats(data_dir: Path) -> dict[str, Any]:
-    import json
-
     return json.loads((data_dir / "stats.json").read_text())
 
 

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import datetime as dt
 import hashlib
 import json
+import re
 from pathlib import Path
 from typing import Any, Literal
 
@@ -11,8 +13,46 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from recsys.errors import ConfigError
+from recsys.redact import redact_tree
 
 REPO_CONFIGS = Path(__file__).resolve().parent.parent / "configs"
+
+# One folder/file name (or an MLflow name that tools may turn into one): no separators, no
+# leading dot (hidden files, '.', '..'), nothing a shell or a URL would treat specially.
+_SAFE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,99}$")
+
+
+def safe_name(value: str) -> str:
+    """`value` if it is a plain name that cannot leave a folder it is joined to; else ValueError.
+
+    For every config value that becomes (part of) a path under the working directory; the
+    message does not name the key because parse_config prefixes each problem with it.
+    """
+    if "\0" in value:
+        problem = "contains a NUL byte"
+    elif "/" in value or "\\" in value:
+        problem = "contains a path separator"
+    elif ".." in value:
+        problem = "contains '..'"
+    elif not _SAFE_NAME.match(value):
+        problem = (
+            "must start with a letter or digit and use only letters, digits, '.', '_' and '-' "
+            "(at most 100 characters)"
+        )
+    else:
+        return value
+    raise ValueError(
+        f"{value!r} {problem}; it becomes a file or folder name and must stay inside the "
+        "working directory"
+    )
+
+
+def no_nul(value: str | None) -> str | None:
+    """`value` unless it holds a NUL byte (which the OS would reject deep inside a stage)."""
+    if value is not None and "\0" in value:
+        # The value itself is not repeated: a path may carry credentials.
+        raise ValueError("contains a NUL byte, which no file path can hold")
+    return value
 
 
 class _Strict(BaseModel):
@@ -46,11 +86,40 @@ class ItemsConfig(_Strict):
     header: bool = True
     encoding: str = "utf-8"
     id_column: str = "item_id"
+
+    @field_validator("path")
+    @classmethod
+    def _path_without_nul(cls, value: str | None) -> str | None:
+        return no_nul(value)
+
     title_column: str | None = "title"
     genres_column: str | None = "genres"
     genres_separator: str = "|"
 
     @field_validator("id_column", "title_column", "genres_column", mode="before")
+    @classmethod
+    def _index_as_name(cls, value: Any) -> Any:
+        return str(value) if isinstance(value, int) and not isinstance(value, bool) else value
+
+
+class UsersConfig(_Strict):
+    """An optional user side file (e.g. age, gender, occupation) -> user_features.parquet."""
+
+    path: str | None = None
+    format: Literal["csv", "jsonl", "movielens-100k", "movielens-dat"] = "csv"
+    delimiter: str = ","
+    header: bool = True
+    encoding: str = "utf-8"
+    id_column: str = "user_id"
+    # Feature columns to keep, as text; None: every column but the id (header or JSON keys).
+    columns: list[str] | None = None
+
+    @field_validator("path")
+    @classmethod
+    def _path_without_nul(cls, value: str | None) -> str | None:
+        return no_nul(value)
+
+    @field_validator("id_column", mode="before")
     @classmethod
     def _index_as_name(cls, value: Any) -> Any:
         return str(value) if isinstance(value, int) and not isinstance(value, bool) else value
@@ -69,6 +138,16 @@ class SyntheticConfig(_Strict):
     days: int = Field(14, ge=1)
     seed: int = 7
     item_features: bool = True
+
+    @field_validator("start_date")
+    @classmethod
+    def _iso_date(cls, value: str) -> str:
+        # Parsed as recsys.synthetic parses it, so anything accepted here also works there.
+        try:
+            dt.datetime.fromisoformat(value)
+        except ValueError:
+            raise ValueError(f"must be a date YYYY-MM-DD, got {value!r}") from None
+        return value
 
 
 class DataConfig(_Strict):
@@ -91,7 +170,13 @@ class DataConfig(_Strict):
     timestamp_unit: Literal["s", "ms"] = "s"
     event_types: list[str] | None = None
     items: ItemsConfig | None = None
+    users: UsersConfig | None = None
     synthetic: SyntheticConfig = SyntheticConfig()
+
+    @field_validator("path")
+    @classmethod
+    def _path_without_nul(cls, value: str | None) -> str | None:
+        return no_nul(value)
 
     @model_validator(mode="after")
     def _path_given(self) -> DataConfig:
@@ -113,6 +198,14 @@ class PreprocessConfig(_Strict):
     min_user_count: int = Field(0, ge=0)
     min_item_count: int = Field(0, ge=0)
     vocab_min_count: int = Field(1, ge=1)
+    # Lower timestamp bound: older rows are rejected `before_min_timestamp`. An ISO date/time
+    # (naive = UTC) or epoch seconds; max_age_days counts back from the end of the run date.
+    min_timestamp: int | str | None = None
+    max_age_days: int | None = Field(None, ge=1)
+    # How the shard batches reach the split: "files" spills them (compressed Arrow) under the
+    # output's temporary folder and shuffles only their paths, so memory stays flat with the
+    # in-process runner; "beam" sends the batches through the runner's own shuffle.
+    shuffle: Literal["files", "beam"] = "files"
 
 
 class ModelConfig(_Strict):
@@ -145,6 +238,15 @@ class TrainingConfig(_Strict):
     optimizer: Literal["adagrad", "adam"] = "adam"
     learning_rate: float = Field(0.01, gt=0)
     shuffle_buffer: int = Field(100_000, ge=1)
+    # Keep the parsed, id-looked-up split in memory after one read and reshuffle it whole every
+    # epoch (no gzip re-read, no shuffle-buffer refill). auto: when it is estimated under
+    # 1 GiB and one worker trains; memory: always; none: stream the TFRecords every epoch.
+    cache: Literal["auto", "memory", "none"] = "auto"
+    # XLA-compile the train step. auto: on with one replica (numeric towers, ids looked up in
+    # tf.data); off under several replicas, where the all_gather runs outside XLA.
+    jit_compile: Literal["auto", "on", "off"] = "auto"
+    # Train steps per tf.function call (fewer Python round trips; callbacks see every Nth).
+    steps_per_execution: int = Field(1, ge=1)
     seed: int = 42
     # Same seed, same data order and weights (tf.data determinism + op determinism; slower).
     deterministic: bool = False
@@ -162,6 +264,11 @@ class TrainingConfig(_Strict):
     # A previous run's model dir (e.g. the champion's): initialise from its weights, rows
     # mapped by id when the vocabularies changed.
     warm_start_from: str | None = None
+
+    @field_validator("warm_start_from")
+    @classmethod
+    def _path_without_nul(cls, value: str | None) -> str | None:
+        return no_nul(value)
 
 
 class EvaluationConfig(_Strict):
@@ -190,6 +297,11 @@ class TrackingConfig(_Strict):
     retries: int = Field(4, ge=1)
     backoff_seconds: float = Field(1.0, ge=0)
 
+    @field_validator("experiment")
+    @classmethod
+    def _plain_experiment(cls, value: str | None) -> str | None:
+        return None if value is None else safe_name(value)
+
 
 class GateConfig(_Strict):
     """Champion/challenger gate: promote only on a confident improvement without regressions."""
@@ -213,17 +325,53 @@ class GateConfig(_Strict):
 
 
 class ExportConfig(_Strict):
-    """SavedModel and embedding export."""
+    """SavedModel and embedding export (docs/SERVING.md)."""
 
+    # The largest k a retrieval request may ask for (larger requests are clipped in the graph).
     top_k: int = Field(100, ge=1)
     verify: bool = True
     tolerance: float = Field(1e-5, gt=0)
+    # TF Serving warmup requests in each SavedModel's assets.extra/.
+    warmup: bool = True
+    # Versions kept per model (and embeddings); the champion/challenger ones are never pruned.
+    keep_versions: int = Field(5, ge=1)
+    # models.config base_path prefix as TF Serving sees the export folder (e.g. "/models" in the
+    # container); empty: this machine's absolute paths.
+    serving_base_path: str | None = None
+    # Optional approximate index over items.parquet (brute force stays the default and the
+    # retrieval SavedModel is always exact): faiss IVF-Flat with inner product.
+    ann: Literal["none", "faiss"] = "none"
+    ann_nlist: int | None = Field(None, ge=1)
+    ann_nprobe: int = Field(16, ge=1)
+    ann_recall_k: int = Field(100, ge=1)
+
+
+class NightlyConfig(_Strict):
+    """Scheduling and retention of `recsys nightly` / `recsys backfill`."""
+
+    # The default --date is yesterday in this IANA time zone (the business day that ended).
+    timezone: str = "UTC"
+    # Keep data/ and runs/ of the newest N dates (never the champion's); None keeps all.
+    keep_days: int | None = Field(None, ge=1)
+
+    @field_validator("timezone")
+    @classmethod
+    def _known_zone(cls, value: str) -> str:
+        from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
+
+        try:
+            ZoneInfo(value)
+        except (ZoneInfoNotFoundError, ValueError):
+            raise ValueError(
+                f"unknown time zone {value!r} (an IANA name, e.g. Europe/Paris)"
+            ) from None
+        return value
 
 
 class RecsysConfig(_Strict):
     """The whole configuration of one nightly run."""
 
-    model_name: str = Field("recsys-default", pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]{0,99}$")
+    model_name: str = "recsys-default"
     data: DataConfig = DataConfig()
     preprocess: PreprocessConfig = PreprocessConfig()
     model: ModelConfig = ModelConfig()
@@ -232,6 +380,12 @@ class RecsysConfig(_Strict):
     tracking: TrackingConfig = TrackingConfig()
     export: ExportConfig = ExportConfig()
     gate: GateConfig = GateConfig()
+    nightly: NightlyConfig = NightlyConfig()
+
+    @field_validator("model_name")
+    @classmethod
+    def _plain_model_name(cls, value: str) -> str:
+        return safe_name(value)
 
     def flat(self) -> dict[str, Any]:
         """The config as dotted keys (MLflow params)."""
@@ -239,7 +393,11 @@ class RecsysConfig(_Strict):
 
     def digest(self) -> str:
         """A stable hash of the config: same settings, same digest."""
-        canonical = json.dumps(self.model_dump(mode="json"), sort_keys=True)
+        # Credentials are left out (environment-independent redaction): the digest is a public
+        # tag, a guessable password must not be testable against it, and rotating a password
+        # must not make a new run identity.
+        dump = redact_tree(self.model_dump(mode="json"), environ={})
+        canonical = json.dumps(dump, sort_keys=True)
         return hashlib.sha256(canonical.encode()).hexdigest()[:16]
 
     def with_input(self, path: str | None) -> RecsysConfig:
@@ -290,5 +448,7 @@ def parse_config(raw: dict[str, Any], source: str = "<config>") -> RecsysConfig:
         for err in exc.errors():
             where = ".".join(str(p) for p in err["loc"]) or "<top level>"
             msg = "unknown key" if err["type"] == "extra_forbidden" else err["msg"]
+            if err["type"] == "value_error" and "error" in err.get("ctx", {}):
+                msg = str(err["ctx"]["error"])  # our validators' own words, without "Value error, "
             problems.append(f"{where}: {msg}")
         raise ConfigError(f"{source}: invalid config: " + "; ".join(problems)) from None

@@ -21,6 +21,14 @@ class DataError(RecsysError):
     exit_code = 3
 
 
+class EmbeddingsContractError(DataError):
+    """Embedding files disagree with their manifest (dim, vocabulary hash, checksum, rows)."""
+
+    def __init__(self, message: str, field: str) -> None:
+        super().__init__(message)
+        self.field = field
+
+
 class StageNotReadyError(RecsysError):
     """A stage was asked to run before the stage it depends on finished."""
 
@@ -43,3 +51,21 @@ class OutOfMemoryError(RecsysError):
     """Training ran out of device memory; the message names the batch size to lower."""
 
     exit_code = 7
+
+
+class WorkdirLockedError(RecsysError):
+    """Another recsys process holds the working directory's lock."""
+
+    exit_code = 8
+
+
+class StorageError(RecsysError):
+    """The working directory cannot be written (disk full, read-only, permissions)."""
+
+    exit_code = 9
+
+
+class StageFailedError(RecsysError):
+    """A stage failed for a reason that is not bad input or infrastructure (see the log)."""
+
+    exit_code = 10

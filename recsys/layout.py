@@ -7,8 +7,9 @@
                                            stats.json, rejected/*.jsonl, _SUCCESS (last)
 <workdir>/runs/<date>/<run_id>/            model/ (weights + model.json), metrics.json,
                                            per_user_eval.parquet, history.json, _SUCCESS
-<workdir>/export/<name>/<version>/         TF Serving SavedModels: query/, retrieval/
-<workdir>/embeddings/<version>/            items.parquet, users.parquet
+<workdir>/export/<name>/<version>/         TF Serving SavedModels: query/, candidate/, retrieval/
+<workdir>/export/models.config             TF Serving model_config_list (champion/challenger)
+<workdir>/embeddings/<version>/            items.parquet, users.parquet, manifest.json
 <workdir>/mlflow/                          default local tracking store (SQLite + artifacts)
 ```
 """
@@ -16,6 +17,8 @@
 from __future__ import annotations
 
 import datetime as dt
+import json
+import logging
 import os
 import re
 import shutil
@@ -27,14 +30,20 @@ from pathlib import Path
 
 from recsys.errors import ConfigError, StageNotReadyError
 
+log = logging.getLogger(__name__)
+
 SUCCESS = "_SUCCESS"
+# Prefixes of the temporary siblings that atomic writers create; never visible as outputs.
+TEMP_PREFIXES = (".tmp-", ".old-", ".staging-")
 _RUN_ID = re.compile(r"^[0-9]{8}T[0-9]{6}Z-[0-9a-f]{8}-[0-9a-f]{4}$")
 
 
-def parse_date(value: str | None) -> dt.date:
-    """The run date from YYYY-MM-DD; None means yesterday in UTC."""
+def parse_date(value: str | None, timezone: str = "UTC") -> dt.date:
+    """The run date from YYYY-MM-DD; None means yesterday in `timezone` (an IANA name)."""
     if value is None:
-        return (dt.datetime.now(dt.UTC) - dt.timedelta(days=1)).date()
+        from zoneinfo import ZoneInfo
+
+        return (dt.datetime.now(ZoneInfo(timezone)) - dt.timedelta(days=1)).date()
     try:
         return dt.date.fromisoformat(value)
     except ValueError:
@@ -112,6 +121,47 @@ def mark_complete(stage_dir: Path) -> None:
     (stage_dir / SUCCESS).write_text(dt.datetime.now(dt.UTC).isoformat() + "\n")
 
 
+def stage_marker(folder: Path, stage: str) -> Path:
+    """The marker a nightly stage writes into its output folder when it finished."""
+    return folder / f"{SUCCESS}.{stage}"
+
+
+def mark_stage(folder: Path, stage: str, info: dict[str, object]) -> None:
+    """Record a finished stage (what it did, how long) atomically: the marker is all or nothing."""
+    marker = stage_marker(folder, stage)
+    tmp = marker.with_name(f".{marker.name}.{uuid.uuid4().hex[:8]}")
+    payload = {"finished": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"), **info}
+    tmp.write_text(json.dumps(payload, indent=2, sort_keys=True, default=str) + "\n")
+    os.replace(tmp, marker)
+
+
+def stage_info(folder: Path, stage: str) -> dict[str, object] | None:
+    """What a finished stage recorded, or None if it has not finished."""
+    marker = stage_marker(folder, stage)
+    try:
+        return json.loads(marker.read_text())
+    except (FileNotFoundError, ValueError):
+        return None
+
+
+def clean_temporaries(root: Path) -> list[Path]:
+    """Remove temporary folders left by killed writers (callers hold the workdir lock)."""
+    removed = []
+    for parent in (root / "data", root / "runs", root / "export", root / "embeddings"):
+        if not parent.is_dir():
+            continue
+        candidates = list(parent.iterdir()) + [
+            p for d in parent.iterdir() if d.is_dir() for p in d.iterdir()
+        ]
+        for path in candidates:
+            if path.name.startswith(TEMP_PREFIXES) and path.is_dir():
+                shutil.rmtree(path, ignore_errors=True)
+                removed.append(path)
+    if removed:
+        log.info("removed %d temporary folders left by an interrupted run", len(removed))
+    return removed
+
+
 @contextmanager
 def atomic_dir(target: Path) -> Iterator[Path]:
     """Yield a temporary sibling folder, renamed onto `target` only if the block succeeds.
@@ -123,16 +173,27 @@ def atomic_dir(target: Path) -> Iterator[Path]:
     tmp.mkdir()
     try:
         yield tmp
-        if target.exists():
-            trash = target.parent / f".old-{target.name}-{uuid.uuid4().hex[:8]}"
-            os.replace(target, trash)
-            os.replace(tmp, target)
-            shutil.rmtree(trash, ignore_errors=True)
-        else:
-            os.replace(tmp, target)
+        replace_dir(tmp, target)
     finally:
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
+
+
+def replace_dir(source: Path, target: Path) -> Path:
+    """Move the finished folder `source` onto `target` by rename; an existing one goes whole.
+
+    The old folder is renamed away first, so a reader sees the old folder or the new one,
+    and for one instant none: never a mix.
+    """
+    target.parent.mkdir(parents=True, exist_ok=True)
+    if target.exists():
+        trash = target.parent / f".old-{target.name}-{uuid.uuid4().hex[:8]}"
+        os.replace(target, trash)
+        os.replace(source, target)
+        shutil.rmtree(trash, ignore_errors=True)
+    else:
+        os.replace(source, target)
+    return target
 
 
 def next_version(base: Path) -> int:

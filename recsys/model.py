@@ -328,7 +328,7 @@ class ItemFeatures:
         """What `save` wrote; empty for a model saved without item features."""
         if not (path / "item_features.json").is_file():
             return cls()
-        with np.load(path / "item_features.npz") as npz:
+        with np.load(path / "item_features.npz", allow_pickle=False) as npz:
             ids = {name: npz[name] for name in npz.files}
         return cls(ids, json.loads((path / "item_features.json").read_text(encoding="utf-8")))
 

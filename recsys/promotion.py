@@ -25,6 +25,7 @@ from recsys import gate, registry
 from recsys.config import RecsysConfig
 from recsys.errors import StageNotReadyError, TrackingError
 from recsys.layout import Workdir
+from recsys.redact import redact_text, redact_tree
 from recsys.tracking import (
     _TRACKING_FAILURES,
     DEFAULT_DEVICE,
@@ -191,6 +192,7 @@ def _publish(
     if challenger is None or int(challenger.version) <= int(version.version):
         registry.set_alias(client, name, registry.CHALLENGER, version.version)
     now_champion = registry.alias_version(client, name, registry.CHAMPION)
+    _route_serving(client, config, workdir, name)
     log.info("%s (version %s of %s)", decision.summary(), version.version, name)
     return PublishResult(
         run_id,
@@ -198,6 +200,25 @@ def _publish(
         decision,
         str(now_champion.version) if now_champion else "none",
     )
+
+
+def _route_serving(client: MlflowClient, config: RecsysConfig, workdir: Workdir, name: str) -> None:
+    """Point export/models.config's champion/challenger labels at the aliased versions.
+
+    A registry version maps to its export folder through its run's `model_version` tag; TF
+    Serving then routes by label, so a promotion is this one atomic file rewrite.
+    """
+    from serving_export.serving_config import set_version_labels
+
+    labels = {}
+    for alias in (registry.CHAMPION, registry.CHALLENGER):
+        version = registry.alias_version(client, name, alias)
+        tag = client.get_run(version.run_id).data.tags.get("model_version") if version else None
+        if tag and tag.isdigit():
+            labels[alias] = int(tag)
+    path = set_version_labels(workdir.root / "export", labels, config.export.serving_base_path)
+    if path is not None:
+        log.info("serving labels %s written to %s", labels, path)
 
 
 def _gate_against(
@@ -278,7 +299,10 @@ def _log_decision(
 ) -> None:
     record = {**decision.to_dict(), "champion_version": str(champion.version) if champion else None}
     _write_json(run_dir / GATE_JSON, record)
-    client.log_dict(run_id, json.loads(json.dumps(record, default=_jsonable)), GATE_JSON)
+    # Reasons quote exception text (paths, URIs): recorded in MLflow only redacted.
+    client.log_dict(
+        run_id, redact_tree(json.loads(json.dumps(record, default=_jsonable))), GATE_JSON
+    )
     if (run_dir / GATE_DIR).is_dir():
         client.log_artifacts(run_id, str(run_dir / GATE_DIR), artifact_path=GATE_DIR)
     metrics = {"gate_promoted": float(decision.promote), "gate_forced": float(decision.forced)}
@@ -304,7 +328,7 @@ def _log_decision(
         "gate.reasons": "; ".join(decision.reasons)[:4000],
     }
     for key, value in tags.items():
-        client.set_tag(run_id, key, value)
+        client.set_tag(run_id, key, redact_text(value))
 
 
 def _recorded_decision(client: MlflowClient, run_id: str) -> gate.GateDecision | None:

@@ -1,6 +1,6 @@
 """The nightly stages, each usable alone on the previous stage's outputs.
 
-preprocess -> train -> evaluate -> export; `nightly` runs them in order and tracks the run.
+preprocess -> train -> evaluate -> export; recsys.nightly runs them in order, then tracks the run.
 Each stage reads and writes only through `recsys.layout.Workdir`.
 """
 
@@ -12,8 +12,8 @@ import json
 import logging
 import os
 import shutil
-import time
 import uuid
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -21,8 +21,10 @@ from typing import Any
 import yaml
 
 from recsys.config import RecsysConfig
-from recsys.errors import ConfigError
+from recsys.errors import ConfigError, DataError
+from recsys.faults import fault_point
 from recsys.layout import Workdir, mark_complete, new_run_id, require_complete
+from recsys.redact import redact_tree
 
 log = logging.getLogger(__name__)
 
@@ -81,18 +83,42 @@ def preprocess(
 
 
 def train(
-    config: RecsysConfig, workdir: Workdir, date: dt.date, data_dir: Path | None = None
-) -> tuple[Path, Any]:
-    """Train on the date's data; the run folder gets the model, history and config."""
+    config: RecsysConfig,
+    workdir: Workdir,
+    date: dt.date,
+    data_dir: Path | None = None,
+    run_dir: Path | None = None,
+    callbacks: Sequence[Any] = (),
+) -> tuple[Path | None, Any]:
+    """Train on the date's data; the run folder gets the model, history and config.
+
+    `run_dir` reuses a folder (the nightly's run for this date and config); by default a new
+    run folder is created. `callbacks` are extra Keras callbacks (progress reporting). On a
+    non-chief multi-worker process the returned folder is None: the chief writes the run.
+    """
+    from recsys.training.trainer import is_chief
     from recsys.training.trainer import train as fit
 
     data_dir = require_complete(data_dir or workdir.data(date), "recsys preprocess")
-    run_dir = workdir.run(date, new_run_id(config.digest()))
-    run_dir.mkdir(parents=True)
-    log.info("train: %s -> %s", data_dir, run_dir)
+    # Under MultiWorkerMirroredStrategy every worker runs this; only the chief owns the run
+    # folder (workers' run ids would differ), the others train in step and keep nothing.
+    chief = is_chief()
+    run_dir = run_dir or workdir.run(date, new_run_id(config.digest()))
+    if chief:
+        run_dir.mkdir(parents=True, exist_ok=True)
+    log.info("train: %s -> %s%s", data_dir, run_dir, "" if chief else " (non-chief worker)")
     # Keyed by date and config, not run id: rerunning a killed `train` resumes from here.
     backup = workdir.runs(date) / f".backup-{config.digest()}"
-    result = fit(config, data_dir, backup_dir=backup)
+    try:
+        result = fit(config, data_dir, backup_dir=backup, callbacks=list(callbacks))
+    except Exception as exc:
+        corrupt = _corrupt_shard_error(data_dir, exc)
+        if corrupt is not None:
+            raise corrupt from None
+        raise
+    if not result.chief:
+        _save_discarded(result.model, run_dir)
+        return None, result
     shutil.rmtree(backup, ignore_errors=True)  # Keras empties it after a finished run
     result.model.save(run_dir / "model")
     _write_json(run_dir / "history.json", result.history)
@@ -108,11 +134,51 @@ def train(
             "replicas": result.replicas,
             "precision": result.precision,
             "best_epoch": result.best_epoch,
+            "config_digest": config.digest(),
+            "data_fingerprint": _read_json(data_dir / "stats.json").get("fingerprint"),
         },
     )
-    (run_dir / "config.yaml").write_text(yaml.safe_dump(config.model_dump(mode="json")))
+    # Without credentials (tracking.uri may carry some): the digest ignores them, so `recsys
+    # sync` still finds this run's MLflow twin from this file.
+    clean = redact_tree(config.model_dump(mode="json"), environ={})
+    (run_dir / "config.yaml").write_text(yaml.safe_dump(clean))
     mark_complete(run_dir)
     return run_dir, result
+
+
+def _save_discarded(model: Any, run_dir: Path) -> None:
+    """A non-chief worker saves too (the Keras multi-worker pattern), into a temp dir it drops."""
+    from recsys.training.trainer import write_dir
+
+    tmp = write_dir(run_dir / "model", chief=False)
+    try:
+        model.save(tmp)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _corrupt_shard_error(data_dir: Path, exc: Exception) -> DataError | None:
+    """A DataError naming the unreadable TFRecord file behind `exc`, if that is the cause."""
+    import tensorflow as tf
+
+    if not isinstance(exc, tf.errors.DataLossError | tf.errors.InvalidArgumentError):
+        return None
+    for path in sorted(data_dir.glob("*.tfrecord*")):
+        compression = "GZIP" if path.name.endswith(".gz") else ""
+        try:
+            for _ in tf.data.TFRecordDataset(str(path), compression_type=compression):
+                pass
+        except (tf.errors.DataLossError, tf.errors.InvalidArgumentError) as err:
+            reason = str(err.message).splitlines()[0][:200]
+            return DataError(
+                f"corrupt TFRecord shard {path} ({reason}): delete {data_dir} and rerun "
+                "`recsys preprocess` (or `recsys nightly --rerun-from preprocess`)"
+            )
+    return None
+
+
+def _read_json(path: Path) -> Any:
+    return json.loads(path.read_text())
 
 
 def _run_dir(workdir: Workdir, date: dt.date, run_id: str | None) -> Path:
@@ -196,40 +262,58 @@ def export(
     run_dir = _run_dir(workdir, date, run_id)
     from recsys.layout import next_version
     from recsys.model import TrainedModel
-    from serving_export.embeddings import write_item_embeddings, write_user_embeddings
+    from serving_export.activity import read_activity
+    from serving_export.publish import finish_publish, publish_dir, stage_embeddings
     from serving_export.savedmodels import export_savedmodels
     from serving_export.verify import verify_export
 
     model = TrainedModel.load(run_dir / "model")
-    version = max(next_version(workdir.export(name)) for name in ("query", "retrieval"))
+    version = _reserve_version(run_dir, workdir, next_version)
     log.info("export: %s as version %d", run_dir.name, version)
     report: dict[str, Any] = {}
     # Verify in a staging root, then publish by rename: TF Serving never sees an unverified
-    # version. Both models are verified before either is published.
+    # version. All three models are verified before any is published.
     staging = workdir.root / "export" / f".staging-{version}-{uuid.uuid4().hex[:8]}"
     try:
-        staged = export_savedmodels(model, staging, version, config.export.top_k)
+        staged = export_savedmodels(
+            model, staging, version, config.export.top_k, warmup=config.export.warmup
+        )
+        fault_point("export:staged", staging)
         if config.export.verify if verify is None else verify:
-            report = verify_export(model, staged, config.export.tolerance)
+            report = verify_export(
+                model, staged, config.export.tolerance, max_k=config.export.top_k
+            )
             log.info("export verified in a fresh process: %s", _brief(report))
+        # Embeddings, their manifest and the optional ANN index are staged as well: none of
+        # this version becomes visible unless all of it was written and verified.
+        activity = read_activity(
+            run_data_dir(run_dir), model.users, model.items, model.config.history_length
+        )
+        emb_dir = staging / "embeddings" / str(version)
+        staged_embeddings = stage_embeddings(
+            model, emb_dir, version, staged, config.export, activity
+        )
+        publish_dir(emb_dir, workdir.embeddings(version))
         models = {}
         for name, path in staged.items():
             models[name] = workdir.export(name) / str(version)
             models[name].parent.mkdir(parents=True, exist_ok=True)
+            if models[name].exists():
+                # Published (verified) by this run before it was killed: the version is
+                # reserved for this run, so it is this very model; leave it as served.
+                log.info("export: %s already published, kept", models[name])
+                continue
             os.replace(path, models[name])
+            fault_point("export:published-one")
     finally:
         shutil.rmtree(staging, ignore_errors=True)
-    emb_dir = workdir.embeddings(version)
-    emb_dir.mkdir(parents=True, exist_ok=True)
+    # models.config keeps its champion/challenger labels (recsys.promotion moves them), and
+    # versions beyond export.keep_versions go, except the labelled ones and this one.
+    serving = finish_publish(
+        workdir.root / "export", workdir.root / "embeddings", models, version, config.export
+    )
     embeddings = {
-        "items": write_item_embeddings(model, emb_dir / "items.parquet", version),
-        "users": write_user_embeddings(
-            model,
-            model.users,
-            emb_dir / "users.parquet",
-            version,
-            histories=_latest_histories(run_dir, model),
-        ),
+        kind: workdir.embeddings(version) / f"{kind}.parquet" for kind in ("items", "users")
     }
     _write_json(
         run_dir / "export.json",
@@ -237,74 +321,32 @@ def export(
             "version": version,
             "models": {k: str(v) for k, v in models.items()},
             "embeddings": {k: str(v) for k, v in embeddings.items()},
+            "embeddings_manifest": str(workdir.embeddings(version) / "manifest.json"),
+            "ann": staged_embeddings["ann"],
+            "serving": serving,
             "verification": report,
         },
     )
     return ExportResult(version, models, embeddings, report)
 
 
-def _latest_histories(run_dir: Path, model: Any) -> list[list[str]] | None:
-    """Each vocabulary user's latest items (all splits, by time) for their users.parquet vector."""
-    if not model.config.history_length:
-        return None
-    from recsys.training.dataset import latest_histories
+def _reserve_version(run_dir: Path, workdir: Workdir, next_version: Any) -> int:
+    """The run's export version: reserved on first use, so a rerun after a crash reuses it.
 
-    data_dir = run_data_dir(run_dir)
-    return latest_histories(data_dir, model.users, model.config.history_length)
+    Without the reservation a crash after publishing some models (query/7) but not others
+    would leave version 7 half-served and the rerun would publish everything as version 8.
+    """
+    path = run_dir / "export_version.json"
+    if path.is_file():
+        return int(json.loads(path.read_text())["version"])
+    names = ("query", "candidate", "retrieval")
+    version = max(next_version(workdir.export(name)) for name in names)
+    _write_json(path, {"version": version})
+    return version
 
 
 def _brief(report: dict[str, Any]) -> str:
     return json.dumps(report, default=str)[:300]
-
-
-@dataclass
-class NightlyResult:
-    """Everything a nightly run produced."""
-
-    data_dir: Path
-    run_dir: Path
-    metrics: dict[str, Any]
-    export: ExportResult
-    mlflow_run_id: str
-    timings: dict[str, float]
-    published: Any = None  # recsys.promotion.PublishResult: version, gate decision
-
-
-def nightly(
-    config: RecsysConfig,
-    workdir: Workdir,
-    date: dt.date,
-    input_path: str | None = None,
-    force_promote: bool = False,
-) -> NightlyResult:
-    """All stages for one date, then MLflow: log, register, gate against champion, promote."""
-    from recsys.promotion import device_layout, publish_run
-
-    timings: dict[str, float] = {}
-    t = time.perf_counter()
-    data_dir, _ = preprocess(config, workdir, date, input_path)
-    timings["preprocess_seconds"] = time.perf_counter() - t
-    t = time.perf_counter()
-    run_dir, trained = train(config, workdir, date, data_dir)
-    timings["train_seconds"] = time.perf_counter() - t
-    t = time.perf_counter()
-    _, report = evaluate(config, workdir, date, run_dir.name)
-    timings["evaluate_seconds"] = time.perf_counter() - t
-    t = time.perf_counter()
-    exported = export(config, workdir, date, run_dir.name, verify=True)
-    timings["export_seconds"] = time.perf_counter() - t
-    # Everything else is read back from the run folder, so `recsys sync` can redo this later.
-    published = publish_run(
-        config,
-        workdir,
-        date,
-        run_dir,
-        timings=timings,
-        device=device_layout(trained),
-        force_promote=force_promote,
-    )
-    mlflow_run_id = published.mlflow_run_id
-    return NightlyResult(data_dir, run_dir, report, exported, mlflow_run_id, timings, published)
 
 
 def sync(

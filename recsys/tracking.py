@@ -12,6 +12,7 @@ import json
 import os
 import re
 import subprocess
+import tempfile
 import time
 import warnings
 from collections.abc import Iterator, Mapping, Sequence
@@ -20,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 import requests
+import yaml
 from mlflow import MlflowClient
 from mlflow.entities import DatasetInput, InputTag, Metric, Param, RunStatus, ViewType
 from mlflow.exceptions import MlflowException
@@ -28,6 +30,7 @@ from mlflow.tracking.context.registry import resolve_tags
 from recsys.config import RecsysConfig
 from recsys.errors import TrackingError
 from recsys.layout import Workdir
+from recsys.redact import redact_text, redact_tree, redact_value
 
 # MLflow's defaults (7 retries, backoff factor 2, 120 s timeout) keep a nightly job waiting for
 # minutes on a dead server. These bound one request to ~10 s of retries when the connection is
@@ -38,18 +41,18 @@ HTTP_LIMITS: dict[str, str] = {
     "MLFLOW_HTTP_REQUEST_TIMEOUT": "10",
 }
 
+_SUPPRESS_URL = "MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT"
+
 # What MLflow's client raises when a store cannot be reached or written (HTTP, SQL, local files).
 _TRACKING_FAILURES = (MlflowException, requests.RequestException, OSError)
 
-# `scheme://user:password@host`: the user-info part is a credential and must never be logged.
-_USERINFO = re.compile(r"(?i)\b([a-z][a-z0-9+.\-]*://)[^/?#\s@]+@")
 # MLflow's rule for metric names (mlflow.utils.validation), minus the platform-specific colon.
 _VALID_METRIC = re.compile(r"^[\w./\- ]+$")
 
 
 def redact_credentials(text: str) -> str:
-    """`text` with the user:password part of every URI in it removed."""
-    return _USERINFO.sub(r"\1", text)
+    """`text` without URI user:password parts and other secrets (see recsys.redact)."""
+    return redact_text(text)
 
 
 def default_tracking_uri(workdir: Path) -> str:
@@ -100,7 +103,7 @@ def log_nightly_run(
     """
     uri = tracking_uri or resolve_tracking_uri(config, workdir)
     run_tags = _run_tags(config, run_date, stats, tags or {})
-    params = [Param(k, _param_value(v)) for k, v in config.flat().items()]
+    params = [Param(k, _param_value(v, k)) for k, v in config.flat().items()]
     metric_list = _metric_list(history, metrics)
     _check_artifacts(artifacts)
     experiment = experiment_name(config)
@@ -258,11 +261,19 @@ def bounded_http_retries() -> Iterator[None]:
     # MLflow reads these variables on every request, so setting them for the block is enough.
     # Not thread-safe: the nightly pipeline logs from one thread.
     os.environ.update({name: HTTP_LIMITS[name] for name in added})
+    # MLflow prints "View run at <tracking URI>/#/..." on set_terminated, user:password@ and
+    # all: forced off (whatever the operator set), restored after the block.
+    printing = os.environ.get(_SUPPRESS_URL)
+    os.environ[_SUPPRESS_URL] = "true"
     try:
         yield
     finally:
         for name in added:
             os.environ.pop(name, None)
+        if printing is None:
+            os.environ.pop(_SUPPRESS_URL, None)
+        else:
+            os.environ[_SUPPRESS_URL] = printing
 
 
 def _run_tags(
@@ -282,13 +293,14 @@ def _run_tags(
     }
     # Context tags (user, source, git commit) come from MLflow; the caller's and ours override.
     resolved = resolve_tags({**extra, **ours})
-    return {key: redact_credentials(str(value)) for key, value in resolved.items()}
+    return {key: str(redact_value(key, str(value))) for key, value in resolved.items()}
 
 
-def _param_value(value: Any) -> str:
-    # Lists/None as JSON so `[10, 50]` and `null` read back unambiguously.
-    text = value if isinstance(value, str) else json.dumps(value)
-    return redact_credentials(text)
+def _param_value(value: Any, key: str = "") -> str:
+    # Lists/None as JSON so `[10, 50]` and `null` read back unambiguously; secrets redacted
+    # before serialising, so a secret-named key's value is `***` whatever its type.
+    value = redact_value(key, value)
+    return value if isinstance(value, str) else json.dumps(value)
 
 
 def _metric_key(name: str) -> str:
@@ -396,18 +408,65 @@ def _record_run(
                 client.set_tag(run_id, key, value)
         if dataset is not None and not run.inputs.dataset_inputs:
             client.log_inputs(run_id, datasets=[dataset])
-        client.log_dict(run_id, json.loads(json.dumps(stats, default=str)), "stats.json")
+        safe_stats = redact_tree(json.loads(json.dumps(stats, default=str)))
+        client.log_dict(run_id, safe_stats, "stats.json")
         for artifact in artifacts:
             path, folder = _local(artifact)
             if path.is_dir():
                 client.log_artifacts(run_id, str(path), artifact_path=folder or path.name)
             else:
-                client.log_artifact(run_id, str(path), artifact_path=folder)
+                log_file_redacted(client, run_id, path, folder)
         client.set_tag(run_id, LOGGED_TAG, "true")
         client.set_terminated(run_id, RunStatus.to_string(RunStatus.FINISHED))
     except _TRACKING_FAILURES:
         _mark_failed(client, run_id)
         raise
+
+
+# Text files that may quote the config (tracking URI, data paths): logged as redacted copies.
+_TEXT_SUFFIXES = {".json", ".yaml", ".yml", ".txt", ".md", ".log"}
+# Larger files are data, not settings: not read into memory for redaction.
+_MAX_REDACTED_BYTES = 16 << 20
+
+
+def log_file_redacted(
+    client: MlflowClient, run_id: str, path: Path, folder: str | None = None
+) -> None:
+    """Log one file; a text file that holds a secret is logged as a redacted copy (same name)."""
+    clean = redacted_text_file(path)
+    if clean is None:
+        client.log_artifact(run_id, str(path), artifact_path=folder)
+        return
+    with tempfile.TemporaryDirectory(prefix="recsys-redacted-") as tmp:
+        copy = Path(tmp) / path.name
+        copy.write_text(clean, encoding="utf-8")
+        client.log_artifact(run_id, str(copy), artifact_path=folder)
+
+
+def redacted_text_file(path: Path) -> str | None:
+    """The redacted text of a small JSON/YAML/text file, or None if nothing had to change."""
+    if path.suffix.lower() not in _TEXT_SUFFIXES or path.stat().st_size > _MAX_REDACTED_BYTES:
+        return None
+    try:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError:
+        return None
+    # Structured files are redacted by key too (`password: a b` has a space the text rule stops at).
+    parsed: Any = None
+    with suppress(ValueError, yaml.YAMLError):
+        if path.suffix.lower() == ".json":
+            parsed = json.loads(text)
+        elif path.suffix.lower() in {".yaml", ".yml"}:
+            parsed = yaml.safe_load(text)
+    if isinstance(parsed, dict | list):
+        clean_tree = redact_tree(parsed)
+        if clean_tree == parsed:
+            return None
+        if path.suffix.lower() == ".json":
+            return json.dumps(clean_tree, indent=2, sort_keys=True) + "\n"
+        return yaml.safe_dump(clean_tree, sort_keys=False)
+    clean = redact_text(text)
+    return None if clean == text else clean
 
 
 def _mark_failed(client: MlflowClient, run_id: str) -> None:

@@ -1,22 +1,32 @@
 """Serving artifacts of a trained model: TF Serving SavedModels, embeddings Parquet, verification.
 
 `recsys` is imported first because it sets TF_USE_LEGACY_KERAS, which must happen before
-TensorFlow is imported anywhere in the process.
+TensorFlow is imported anywhere in the process. The public functions are imported lazily, so
+`serving_export.serving_config` (models.config) can be used without loading TensorFlow.
 """
 
-import recsys  # noqa: F401  (sets TF_USE_LEGACY_KERAS before TensorFlow is imported)
-from serving_export.embeddings import (
-    read_embeddings,
-    write_item_embeddings,
-    write_user_embeddings,
-)
-from serving_export.savedmodels import export_savedmodels
-from serving_export.verify import verify_export
+from __future__ import annotations
 
-__all__ = [
-    "export_savedmodels",
-    "read_embeddings",
-    "verify_export",
-    "write_item_embeddings",
-    "write_user_embeddings",
-]
+import importlib
+from typing import Any
+
+import recsys  # noqa: F401  (sets TF_USE_LEGACY_KERAS before TensorFlow is imported)
+
+_PUBLIC = {
+    "export_savedmodels": "serving_export.savedmodels",
+    "load_embeddings": "serving_export.manifest",
+    "prune_versions": "serving_export.publish",
+    "read_embeddings": "serving_export.embeddings",
+    "verify_export": "serving_export.verify",
+    "write_item_embeddings": "serving_export.embeddings",
+    "write_models_config": "serving_export.serving_config",
+    "write_user_embeddings": "serving_export.embeddings",
+}
+
+__all__ = sorted(_PUBLIC)
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _PUBLIC:
+        raise AttributeError(f"module 'serving_export' has no attribute {name!r}")
+    return getattr(importlib.import_module(_PUBLIC[name]), name)

@@ -2,8 +2,10 @@
 
 Contract (docs/SERVING.md): one row per id with columns `<item_id|user_id>` (string),
 `embedding` (fixed_size_list<float32>[d], L2-normalised tower output) and `model_version`
-(int64); row groups of ROW_GROUP_SIZE rows so readers can stream a file group by group.
-Files are written to a temporary sibling and published with os.replace.
+(int64), then optional extra columns (popularity, interactions, last_seen); row groups of
+ROW_GROUP_SIZE rows so readers can stream a file group by group. Files are written to a
+temporary sibling and published with os.replace. `serving_export.manifest` ties a version's
+files together and loads them with checks.
 """
 
 from __future__ import annotations
@@ -29,16 +31,19 @@ ROW_GROUP_SIZE = 65_536
 _ENCODE_CHUNK = 16 * ROW_GROUP_SIZE
 _META_VERSION = b"recsys.model_version"
 
-Chunk = tuple[Sequence[str], np.ndarray]
+Chunk = tuple[Sequence[str], np.ndarray, dict[str, pa.Array]]
 
 
-def embeddings_schema(id_column: str, dim: int, version: int) -> pa.Schema:
+def embeddings_schema(
+    id_column: str, dim: int, version: int, extra: Sequence[pa.Field] = ()
+) -> pa.Schema:
     """The Arrow schema of an embeddings file (the version is also kept in the metadata)."""
     return pa.schema(
         [
             pa.field(id_column, pa.string(), nullable=False),
             pa.field(EMBEDDING, pa.list_(pa.float32(), dim), nullable=False),
             pa.field(MODEL_VERSION, pa.int64(), nullable=False),
+            *extra,
         ],
         metadata={
             _META_VERSION: str(version).encode(),
@@ -48,10 +53,21 @@ def embeddings_schema(id_column: str, dim: int, version: int) -> pa.Schema:
     )
 
 
-def write_item_embeddings(model: TrainedModel, path: Path, version: int) -> Path:
-    """Write every catalog item's candidate vector (vocabulary order) to `path`."""
+def write_item_embeddings(
+    model: TrainedModel,
+    path: Path,
+    version: int,
+    columns: dict[str, pa.Array] | None = None,
+) -> Path:
+    """Write every catalog item's candidate vector (vocabulary order) to `path`.
+
+    `columns`: extra columns aligned with `model.items` (e.g. popularity, last_seen).
+    """
     vectors = model.item_embeddings().reshape(len(model.items), output_dim(model))
-    return _write(Path(path), ITEM_ID, output_dim(model), version, [(model.items, vectors)])
+    columns = columns or {}
+    extra = _fields(columns, len(model.items))
+    chunk = [(model.items, vectors, columns)]
+    return _write(Path(path), ITEM_ID, output_dim(model), version, chunk, extra)
 
 
 def write_user_embeddings(
@@ -60,15 +76,19 @@ def write_user_embeddings(
     path: Path,
     version: int,
     histories: Sequence[Sequence[str]] | None = None,
+    columns: dict[str, pa.Array] | None = None,
 ) -> Path:
     """Write the query vectors of `user_ids` (with their item histories) to `path`.
 
     Unknown ids use OOV buckets; `histories` (one per user, oldest first; None: empty) should
-    be each user's latest items, the query a request would make now.
+    be each user's latest items, the query a request would make now. `columns`: extra
+    columns aligned with `user_ids` (e.g. interactions, last_seen).
     """
     user_ids = list(user_ids)
     if histories is not None and len(histories) != len(user_ids):
         raise ValueError(f"{len(histories)} histories for {len(user_ids)} users")
+    columns = columns or {}
+    extra = _fields(columns, len(user_ids))
     chunks = (
         (
             user_ids[i : i + _ENCODE_CHUNK],
@@ -76,10 +96,11 @@ def write_user_embeddings(
                 user_ids[i : i + _ENCODE_CHUNK],
                 None if histories is None else histories[i : i + _ENCODE_CHUNK],
             ),
+            {name: array.slice(i, _ENCODE_CHUNK) for name, array in columns.items()},
         )
         for i in range(0, len(user_ids), _ENCODE_CHUNK)
     )
-    return _write(Path(path), USER_ID, output_dim(model), version, chunks)
+    return _write(Path(path), USER_ID, output_dim(model), version, chunks, extra)
 
 
 def read_embeddings(path: Path) -> tuple[list[str], np.ndarray, int]:
@@ -100,10 +121,25 @@ def output_dim(model: TrainedModel) -> int:
     return model.output_dim
 
 
-def _write(path: Path, id_column: str, dim: int, version: int, chunks: Iterable[Chunk]) -> Path:
+def _fields(columns: dict[str, pa.Array], rows: int) -> list[pa.Field]:
+    reserved = {ITEM_ID, USER_ID, EMBEDDING, MODEL_VERSION}
+    for name, array in columns.items():
+        if name in reserved or len(array) != rows:
+            raise ValueError(f"extra column {name!r}: {len(array)} values for {rows} rows")
+    return [pa.field(name, array.type) for name, array in columns.items()]
+
+
+def _write(
+    path: Path,
+    id_column: str,
+    dim: int,
+    version: int,
+    chunks: Iterable[Chunk],
+    extra: Sequence[pa.Field] = (),
+) -> Path:
     if isinstance(version, bool) or not isinstance(version, int) or version < 0:
         raise ValueError(f"version must be a non-negative int, got {version!r}")
-    schema = embeddings_schema(id_column, dim, version)
+    schema = embeddings_schema(id_column, dim, version, extra)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.parent / f".{path.name}.tmp-{uuid.uuid4().hex[:8]}"
     try:
@@ -118,7 +154,7 @@ def _write(path: Path, id_column: str, dim: int, version: int, chunks: Iterable[
 
 def _tables(schema: pa.Schema, chunks: Iterable[Chunk], version: int) -> Iterator[pa.Table]:
     dim = schema.field(EMBEDDING).type.list_size
-    for ids, vectors in chunks:
+    for ids, vectors, columns in chunks:
         vectors = np.ascontiguousarray(vectors, dtype=np.float32)
         if vectors.shape != (len(ids), dim):
             raise ValueError(
@@ -130,6 +166,7 @@ def _tables(schema: pa.Schema, chunks: Iterable[Chunk], version: int) -> Iterato
                 pa.array(list(ids), type=pa.string()),
                 pa.FixedSizeListArray.from_arrays(flat, dim),
                 pa.array(np.full(len(ids), version, dtype=np.int64)),
+                *(columns[f.name] for f in schema if f.name in columns),
             ],
             schema=schema,
         )

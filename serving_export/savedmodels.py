@@ -1,9 +1,18 @@
-"""TF Serving SavedModels: `query` (user -> embedding) and `retrieval` (user -> top-K items).
+"""TF Serving SavedModels: `query`, `candidate` and `retrieval`, each with two signatures.
 
-Both take raw strings, so a client needs no vocabulary: `user_id` [n] and `history` [n, m],
-the user's previous item ids oldest first, right-padded with "" (m may be 0). Unknown ids hash
-into the model's out-of-vocabulary buckets exactly as during training (`TrainedModel`
-lookups), "" entries are ignored, and only the last `model.history_length` ids count.
+| model | `serving_default` inputs | `predict_tf_example` inputs | outputs |
+|---|---|---|---|
+| query | user_id [n], history [n, m] | examples [n] | embedding [n, d] |
+| candidate | item_id [n] | examples [n] | embedding [n, d] |
+| retrieval | user_id [n], history [n, m], k [n] | examples [n], k [n] | item_ids, scores [n, K] |
+
+All take raw strings, so a client needs no vocabulary: `history` holds the user's previous item
+ids oldest first, right-padded with "" (m may be 0); `examples` are serialized tf.Example protos
+parsed with `recsys.schema.feature_spec()` (missing features take the schema defaults). Unknown
+ids hash into the model's out-of-vocabulary buckets exactly as during training (`TrainedModel`
+lookups), "" history entries are ignored and only the last `model.history_length` ids count.
+`k` is clipped in the graph to [1, min(max_k, catalog size)]; the output width K is the largest
+clipped k of the batch and a row asking for fewer is padded with item id "" and PAD_SCORE.
 Each model is written to a temporary sibling folder and published by one rename, so TF Serving,
 which polls `<export_root>/<name>/` for integer folders, never sees a half-written version.
 """
@@ -11,7 +20,9 @@ which polls `<export_root>/<name>/` for integer folders, never sees a half-writt
 from __future__ import annotations
 
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 # Not left to serving_export/__init__.py: a stale editable install can resolve serving_export as
 # a namespace package, and then nothing but this line sets the flag before TensorFlow loads.
@@ -20,27 +31,73 @@ import recsys  # noqa: F401  (sets TF_USE_LEGACY_KERAS before TensorFlow is impo
 # isort: split
 import tensorflow as tf
 
+from recsys import schema
 from recsys.layout import atomic_dir
 from recsys.model import HISTORY_INDEX, USER_INDEX, TrainedModel, string_lookup
-from recsys.schema import HISTORY, USER_ID
+from recsys.schema import HISTORY, ITEM_ID, USER_ID
 from recsys.training.dataset import history_indices
 
 QUERY = "query"
+CANDIDATE = "candidate"
 RETRIEVAL = "retrieval"
-MODEL_NAMES = (QUERY, RETRIEVAL)
+MODEL_NAMES = (QUERY, CANDIDATE, RETRIEVAL)
 SIGNATURE = "serving_default"
+TF_EXAMPLE_SIGNATURE = "predict_tf_example"
+SIGNATURES = (SIGNATURE, TF_EXAMPLE_SIGNATURE)
 EMBEDDING = "embedding"
 ITEM_IDS = "item_ids"
 SCORES = "scores"
+EXAMPLES = "examples"
+K = "k"
 USER_VOCAB_ASSET = "users.txt"
 ITEM_VOCAB_ASSET = "items.txt"
+PAD_ITEM_ID = ""
+# Scores are dot products of L2-normalised vectors, in [-1, 1]: -2 sorts below every real
+# score and, unlike -inf, is valid JSON in a TF Serving REST response.
+PAD_SCORE = -2.0
 
 _USER_ID_SPEC = tf.TensorSpec([None], tf.string, name=USER_ID)
+_ITEM_ID_SPEC = tf.TensorSpec([None], tf.string, name=ITEM_ID)
 _HISTORY_SPEC = tf.TensorSpec([None, None], tf.string, name=HISTORY)
+_EXAMPLES_SPEC = tf.TensorSpec([None], tf.string, name=EXAMPLES)
+_K_SPEC = tf.TensorSpec([None], tf.int32, name=K)
+
+
+def tower_feature_spec(tower: str) -> dict[str, Any]:
+    """The parse spec of one tower's features, taken from the one schema definition."""
+    spec = schema.feature_spec()
+    return {f.name: spec[f.name] for f in schema.FEATURES if f.tower == tower}
+
+
+def signature_specs(model: TrainedModel) -> dict[str, dict[str, dict[str, Any]]]:
+    """model -> signature -> {"inputs", "outputs"}: name -> {dtype, shape}, as exported."""
+    dim = model.output_dim
+
+    def t(dtype: str, *shape: int | None) -> dict[str, Any]:
+        return {"dtype": dtype, "shape": list(shape)}
+
+    examples = {EXAMPLES: t("string", None)}
+    query_in = {USER_ID: t("string", None), HISTORY: t("string", None, None)}
+    embedding = {EMBEDDING: t("float32", None, dim)}
+    topk = {ITEM_IDS: t("string", None, None), SCORES: t("float32", None, None)}
+    return {
+        QUERY: {
+            SIGNATURE: {"inputs": query_in, "outputs": embedding},
+            TF_EXAMPLE_SIGNATURE: {"inputs": examples, "outputs": embedding},
+        },
+        CANDIDATE: {
+            SIGNATURE: {"inputs": {ITEM_ID: t("string", None)}, "outputs": embedding},
+            TF_EXAMPLE_SIGNATURE: {"inputs": examples, "outputs": embedding},
+        },
+        RETRIEVAL: {
+            SIGNATURE: {"inputs": {**query_in, K: t("int32", None)}, "outputs": topk},
+            TF_EXAMPLE_SIGNATURE: {"inputs": {**examples, K: t("int32", None)}, "outputs": topk},
+        },
+    }
 
 
 class QueryInputs(tf.Module):
-    """Raw user ids and "" -padded history id strings -> the query tower's index inputs."""
+    """Raw user ids and history id strings (dense "" -padded or ragged) -> tower indices."""
 
     def __init__(
         self,
@@ -53,16 +110,19 @@ class QueryInputs(tf.Module):
         self.item_lookup = item_lookup
         self.history_length = history_length
 
-    def __call__(self, user_id: tf.Tensor, history: tf.Tensor) -> dict[str, tf.Tensor]:
+    def __call__(
+        self, user_id: tf.Tensor, history: tf.Tensor | tf.RaggedTensor
+    ) -> dict[str, tf.Tensor]:
         inputs = {USER_INDEX: self.user_lookup(user_id)}
         if self.history_length:
-            ragged = tf.RaggedTensor.from_tensor(history)
-            inputs[HISTORY_INDEX] = history_indices(ragged, self.item_lookup, self.history_length)
+            if not isinstance(history, tf.RaggedTensor):
+                history = tf.RaggedTensor.from_tensor(history)
+            inputs[HISTORY_INDEX] = history_indices(history, self.item_lookup, self.history_length)
         return inputs
 
 
 class QueryModule(tf.Module):
-    """`serving_default`: user_id [None], history [None, None] string -> embedding [None, d]."""
+    """user_id [None], history [None, None] (or tf.Examples) -> embedding [None, d]."""
 
     def __init__(self, inputs: QueryInputs, query_tower: tf.keras.Model) -> None:
         super().__init__(name="query")
@@ -74,16 +134,45 @@ class QueryModule(tf.Module):
         """Query vectors for raw user ids and their item histories."""
         return {EMBEDDING: self.query_tower(self.inputs(user_id, history))}
 
+    @tf.function(input_signature=[_EXAMPLES_SPEC])
+    def serve_examples(self, examples: tf.Tensor) -> dict[str, tf.Tensor]:
+        """Query vectors for serialized tf.Examples carrying user_id and history."""
+        features = tf.io.parse_example(examples, tower_feature_spec(QUERY))
+        inputs = self.inputs(features[USER_ID], features[HISTORY])
+        return {EMBEDDING: self.query_tower(inputs)}
+
+
+class CandidateModule(tf.Module):
+    """item_id [None] (or tf.Examples) -> embedding [None, d]; item features are baked in."""
+
+    def __init__(
+        self, item_lookup: tf.keras.layers.StringLookup, candidate_tower: tf.keras.Model
+    ) -> None:
+        super().__init__(name="candidate")
+        self.item_lookup = item_lookup
+        self.candidate_tower = candidate_tower
+
+    @tf.function(input_signature=[_ITEM_ID_SPEC])
+    def serve(self, item_id: tf.Tensor) -> dict[str, tf.Tensor]:
+        """Candidate vectors for raw item ids (unknown ids: their OOV bucket's vector)."""
+        return {EMBEDDING: self.candidate_tower(self.item_lookup(item_id))}
+
+    @tf.function(input_signature=[_EXAMPLES_SPEC])
+    def serve_examples(self, examples: tf.Tensor) -> dict[str, tf.Tensor]:
+        """Candidate vectors for serialized tf.Examples carrying item_id."""
+        features = tf.io.parse_example(examples, tower_feature_spec(CANDIDATE))
+        return {EMBEDDING: self.candidate_tower(self.item_lookup(features[ITEM_ID]))}
+
 
 class RetrievalModule(tf.Module):
-    """`serving_default`: user_id, history -> item_ids [None, K] string, scores [None, K] float32.
+    """user_id, history (or tf.Examples), k -> item_ids [None, K] string, scores [None, K].
 
     Exact brute force: one matrix product against the whole catalog, then top-K. The item
     vectors and ids are variables (not graph constants) so they land in the checkpoint shards
     and a large catalog cannot push saved_model.pb past protobuf's 2 GiB limit.
     """
 
-    def __init__(self, inputs: QueryInputs, model: TrainedModel, top_k: int) -> None:
+    def __init__(self, inputs: QueryInputs, model: TrainedModel, max_k: int) -> None:
         super().__init__(name="retrieval")
         self.inputs = inputs
         self.query_tower = model.query_tower
@@ -91,37 +180,80 @@ class RetrievalModule(tf.Module):
         self.item_embeddings = tf.Variable(
             model.item_embeddings(), dtype=tf.float32, trainable=False, name="item_embeddings"
         )
-        self.k = min(top_k, len(model.items))
+        self.max_k = min(max_k, len(model.items))
 
-    @tf.function(input_signature=[_USER_ID_SPEC, _HISTORY_SPEC])
-    def serve(self, user_id: tf.Tensor, history: tf.Tensor) -> dict[str, tf.Tensor]:
-        """The K highest-scoring catalog items (dot product) for each user and history."""
-        queries = self.query_tower(self.inputs(user_id, history))
+    def _top_k(self, queries: tf.Tensor, k: tf.Tensor) -> dict[str, tf.Tensor]:
         scores = tf.matmul(queries, self.item_embeddings, transpose_b=True)
-        top = tf.math.top_k(scores, k=self.k, sorted=True)
-        return {ITEM_IDS: tf.gather(self.item_ids, top.indices), SCORES: top.values}
+        batch = tf.shape(queries)[0]
+        k = tf.reshape(k, [-1])
+        # One k per row (the REST row format needs every input batched); a single k, or any
+        # other count, applies its largest value to every row instead of failing the request.
+        largest = tf.reduce_max(tf.concat([k, [tf.int32.min]], 0))
+        fallback = tf.where(tf.size(k) > 0, largest, self.max_k)  # no k at all: the maximum
+        per_row = tf.cond(
+            tf.equal(tf.size(k), batch), lambda: k, lambda: tf.fill([batch], fallback)
+        )
+        per_row = tf.clip_by_value(per_row, 1, self.max_k)
+        width = tf.reduce_max(tf.concat([per_row, [1]], 0))
+        top = tf.math.top_k(scores, k=width, sorted=True)  # ties: lower index (vocab order) first
+        keep = tf.range(width)[None, :] < per_row[:, None]
+        return {
+            ITEM_IDS: tf.where(keep, tf.gather(self.item_ids, top.indices), PAD_ITEM_ID),
+            SCORES: tf.where(keep, top.values, PAD_SCORE),
+        }
+
+    @tf.function(input_signature=[_USER_ID_SPEC, _HISTORY_SPEC, _K_SPEC])
+    def serve(self, user_id: tf.Tensor, history: tf.Tensor, k: tf.Tensor) -> dict[str, tf.Tensor]:
+        """The k highest-scoring catalog items (dot product) for each user and history."""
+        return self._top_k(self.query_tower(self.inputs(user_id, history)), k)
+
+    @tf.function(input_signature=[_EXAMPLES_SPEC, _K_SPEC])
+    def serve_examples(self, examples: tf.Tensor, k: tf.Tensor) -> dict[str, tf.Tensor]:
+        """The k highest-scoring catalog items for serialized tf.Examples (user_id, history)."""
+        features = tf.io.parse_example(examples, tower_feature_spec(QUERY))
+        queries = self.query_tower(self.inputs(features[USER_ID], features[HISTORY]))
+        return self._top_k(queries, k)
 
 
 def export_savedmodels(
-    model: TrainedModel, export_root: Path, version: int, top_k: int
+    model: TrainedModel,
+    export_root: Path,
+    version: int,
+    top_k: int,
+    warmup: bool = True,
 ) -> dict[str, Path]:
-    """Publish query/ and retrieval/ SavedModels at export_root/<name>/<version>/; name -> dir."""
+    """Publish query/, candidate/, retrieval/ at export_root/<name>/<version>/; name -> dir.
+
+    `top_k` is the largest k a retrieval request may ask for; `warmup` writes TF Serving warmup
+    requests (assets.extra/) into each model before it is published.
+    """
+    from serving_export.warmup import warmup_requests, write_warmup_requests
+
     _check_args(model, version, top_k)
     export_root = Path(export_root)
     with tempfile.TemporaryDirectory(prefix="recsys-vocab-") as scratch:
+        item_lookup = _lookup(
+            model.items, model.config.oov_buckets, Path(scratch) / ITEM_VOCAB_ASSET
+        )
         inputs = QueryInputs(
             _lookup(model.users, model.config.oov_buckets, Path(scratch) / USER_VOCAB_ASSET),
-            _lookup(model.items, model.config.oov_buckets, Path(scratch) / ITEM_VOCAB_ASSET),
+            item_lookup,
             model.config.history_length,
         )
         modules: dict[str, tf.Module] = {
             QUERY: QueryModule(inputs, model.query_tower),
+            CANDIDATE: CandidateModule(item_lookup, model.candidate_tower),
             RETRIEVAL: RetrievalModule(inputs, model, top_k),
         }
-        return {
-            name: _publish(module, export_root / name / str(version))
-            for name, module in modules.items()
-        }
+        published = {}
+        for name, module in modules.items():
+
+            def extra(tmp: Path, name: str = name) -> None:
+                if warmup:
+                    write_warmup_requests(tmp, name, warmup_requests(model, name, top_k))
+
+            published[name] = _publish(module, export_root / name / str(version), extra)
+        return published
 
 
 def _check_args(model: TrainedModel, version: int, top_k: int) -> None:
@@ -156,11 +288,21 @@ def _fits_a_vocab_file(ids: list[str]) -> bool:
     return bool(ids) and all(uid and "\n" not in uid and "\r" not in uid for uid in ids)
 
 
-def _publish(module: tf.Module, target: Path) -> Path:
-    """Save `module` into a temporary sibling of `target`, then rename it onto `target`."""
+def _publish(module: tf.Module, target: Path, extra: Callable[[Path], None]) -> Path:
+    """Save `module` (+ `extra` files) into a temporary sibling of `target`, rename onto it."""
     with atomic_dir(target) as tmp:
-        tf.saved_model.save(module, str(tmp), signatures={SIGNATURE: module.serve})
+        signatures = {SIGNATURE: module.serve, TF_EXAMPLE_SIGNATURE: module.serve_examples}
+        tf.saved_model.save(module, str(tmp), signatures=signatures)
+        extra(tmp)
     return target
 
 
-__all__ = ["MODEL_NAMES", "QueryModule", "RetrievalModule", "export_savedmodels"]
+__all__ = [
+    "MODEL_NAMES",
+    "SIGNATURES",
+    "CandidateModule",
+    "QueryModule",
+    "RetrievalModule",
+    "export_savedmodels",
+    "signature_specs",
+]

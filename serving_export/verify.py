@@ -1,15 +1,17 @@
 """Verify exported SavedModels the way TF Serving will see them: from disk, in a new process.
 
 A child Python process (serving_export/reload_check.py, run by path in isolated mode) imports
-only TensorFlow, loads each SavedModel with tf.saved_model.load and calls serving_default on
-sample user ids, some of them unknown, each with a sample item history (empty, catalog items,
-unknown items). This process compares the outputs with the in-memory model: embeddings with
-`model.user_embeddings`, retrieval with a numpy brute-force top-K over
+only TensorFlow, loads each SavedModel with tf.saved_model.load, replays its TF Serving warmup
+records and calls every signature (raw features and serialized tf.Examples) on sample inputs:
+known and unknown users and items, empty/short/over-long histories, k below 1 and above the
+maximum. This process compares the outputs with the in-memory model: embeddings with
+`model.user_embeddings` and the candidate tower, retrieval with a numpy brute-force top-K over
 `model.item_embeddings()`. `saved_model_cli show --all` runs alongside as a second opinion.
 """
 
 from __future__ import annotations
 
+import base64
 import json
 import os
 import subprocess
@@ -29,21 +31,29 @@ import tensorflow as tf
 
 from recsys.errors import ExportVerificationError
 from recsys.model import TrainedModel
-from recsys.schema import HISTORY, USER_ID
-from serving_export.embeddings import output_dim
-from serving_export.savedmodels import EMBEDDING, ITEM_IDS, MODEL_NAMES, QUERY, RETRIEVAL, SCORES
+from serving_export import samples
+from serving_export.samples import UNKNOWN_USER_IDS, sample_histories, sample_users
+from serving_export.savedmodels import (
+    EMBEDDING,
+    ITEM_IDS,
+    MODEL_NAMES,
+    PAD_ITEM_ID,
+    PAD_SCORE,
+    QUERY,
+    RETRIEVAL,
+    SCORES,
+    SIGNATURES,
+    signature_specs,
+)
+
+__all__ = ["UNKNOWN_USER_IDS", "sample_histories", "sample_users", "verify_export"]
 
 RELOAD_SCRIPT = Path(__file__).resolve().with_name("reload_check.py")
 SAVED_MODEL_CLI = Path(sys.executable).parent / "saved_model_cli"
-MAX_KNOWN_SAMPLE = 64
-# Several unknown ids so that more than one OOV bucket is exercised; "" is a real request too.
-UNKNOWN_USER_IDS = (*(f"__recsys_verify_unknown_{i}__" for i in range(8)), "")
 RELOAD_TIMEOUT_S = 600
-_INPUTS = {
-    HISTORY: {"dtype": "string", "shape": [None, None]},
-    USER_ID: {"dtype": "string", "shape": [None]},
-}
 CLI_TIMEOUT_S = 300
+# k sent for the "all" calls: far above any max_k, so the graph must clip it.
+_ALL_K = 2**31 - 1
 
 
 def verify_export(
@@ -51,8 +61,14 @@ def verify_export(
     exported: dict[str, Path],
     tolerance: float,
     sample_user_ids: Sequence[str] | None = None,
+    max_k: int | None = None,
+    expect_warmup: bool = True,
 ) -> dict:
-    """Reload each SavedModel in a fresh process and compare it with `model`; report or raise."""
+    """Reload each SavedModel in a fresh process, call every signature, compare with `model`.
+
+    Returns the report; raises ExportVerificationError naming every failing model. `max_k` is
+    the configured largest k (export.top_k); when given, the retrieval width must match it.
+    """
     start = time.perf_counter()
     unknown_names = sorted(set(exported) - set(MODEL_NAMES))
     if not exported or unknown_names:
@@ -60,31 +76,49 @@ def verify_export(
     exported = {name: Path(path) for name, path in exported.items()}
     user_ids = sample_users(model, sample_user_ids)
     histories = sample_histories(model, len(user_ids))
-    child, outputs, cli_notes = _run_fresh_process_checks(exported, user_ids, histories)
+    item_ids = samples.sample_items(model)
+    ks = samples.sample_ks(max_k or len(model.items), len(user_ids))
+    calls = _calls(exported, user_ids, histories, item_ids, ks)
+    child, outputs, cli_notes = _run_fresh_process_checks(exported, calls)
     # CPU on both sides: GPUs default to TF32 matmuls (~1e-3 relative error), which would
     # swamp a 1e-5 tolerance; the artifact's correctness is not a property of the hardware.
     with tf.device("/CPU:0"):
         queries = model.user_embeddings(user_ids, histories)
         items = model.item_embeddings()
+        candidates = candidate_embeddings(model, item_ids)
     report: dict[str, Any] = {
         "tolerance": tolerance,
         "sample_users": len(user_ids),
         "unknown_sample_users": len(set(user_ids) - set(model.users)),
+        "sample_items": len(item_ids),
         "fresh_process": {key: child[key] for key in ("tensorflow", "project_modules_loaded")},
         "models": {},
     }
     problems = []
     if child["project_modules_loaded"]:
         problems.append(f"fresh process imported project modules {child['project_modules_loaded']}")
+    specs = signature_specs(model)
     for name, path in exported.items():
         loaded = child["models"][name]
-        if name == QUERY:
-            result, found = _check_query(model, queries, outputs, loaded, tolerance)
+        found = _signature_problems(loaded["signatures"], specs[name])
+        if name == RETRIEVAL:
+            result, more = _check_retrieval(model, queries, items, outputs, ks, tolerance, max_k)
         else:
-            result, found = _check_retrieval(model, queries, items, outputs, loaded, tolerance)
+            expected = queries if name == QUERY else candidates
+            result, more = _check_embeddings(name, expected, outputs, tolerance)
+        found += more
+        warmup = loaded["warmup"]
+        if expect_warmup and not warmup["requests"]:
+            found.append("no TF Serving warmup requests (assets.extra/tf_serving_warmup_requests)")
         cli_note, cli_problem = cli_notes[name]
         found += [cli_problem] if cli_problem else []
-        report["models"][name] = {"dir": str(path), **result, "saved_model_cli": cli_note}
+        report["models"][name] = {
+            "dir": str(path),
+            "signatures": loaded["signatures"],
+            **result,
+            "warmup_requests_replayed": warmup["requests"],
+            "saved_model_cli": cli_note,
+        }
         if found:
             problems.append(f"{name} SavedModel at {path}: " + ", ".join(found))
     if problems:
@@ -96,8 +130,49 @@ def verify_export(
     return report
 
 
+def candidate_embeddings(model: TrainedModel, item_ids: Sequence[str]) -> np.ndarray:
+    """[n, d] candidate vectors of raw item ids (unknown ids: their OOV bucket), in memory."""
+    if not item_ids:
+        return np.zeros((0, model.output_dim), np.float32)
+    indices = model.item_lookup()(tf.constant(list(item_ids), tf.string))
+    return model.candidate_tower(indices).numpy().astype(np.float32)
+
+
+def _calls(
+    exported: dict[str, Path],
+    user_ids: list[str],
+    histories: list[list[str]],
+    item_ids: list[str],
+    ks: list[int],
+) -> list[dict[str, Any]]:
+    """Every signature of every model on the samples; retrieval with all-max and mixed k."""
+    calls = []
+    for name in exported:
+        for signature in SIGNATURES:
+            variants = {"all": [_ALL_K] * len(user_ids), "mixed": ks} if name == RETRIEVAL else {}
+            for variant, k in (variants or {"all": []}).items():
+                inputs = samples.request_inputs(name, signature, user_ids, histories, item_ids, k)
+                calls.append(
+                    {
+                        "id": f"{name}.{signature}.{variant}",
+                        "model": name,
+                        "signature": signature,
+                        "inputs": {key: _encode(value) for key, value in inputs.items()},
+                    }
+                )
+    return calls
+
+
+def _encode(value: np.ndarray) -> dict[str, Any]:
+    """An input array for the child's JSON request (strings base64: tf.Examples are bytes)."""
+    if value.dtype == object:
+        values = [base64.b64encode(v).decode("ascii") for v in value.reshape(-1)]
+        return {"dtype": "string", "shape": list(value.shape), "values": values}
+    return {"dtype": value.dtype.name, "shape": list(value.shape), "values": value.ravel().tolist()}
+
+
 def _run_fresh_process_checks(
-    exported: dict[str, Path], user_ids: list[str], histories: list[list[str]]
+    exported: dict[str, Path], calls: list[dict[str, Any]]
 ) -> tuple[dict[str, Any], dict[str, np.ndarray], dict[str, tuple[str, str | None]]]:
     """The reload child's report and outputs, and saved_model_cli's verdict per model.
 
@@ -108,34 +183,11 @@ def _run_fresh_process_checks(
             name: _start_cli(path, Path(tmp) / f"{name}.cli.txt") for name, path in exported.items()
         }
         try:
-            child, outputs = _reload_in_fresh_process(exported, user_ids, histories, Path(tmp))
+            child, outputs = _reload_in_fresh_process(exported, calls, Path(tmp))
         except BaseException:
             _kill_cli(cli.values())
             raise
         return child, outputs, {name: _finish_cli(handle) for name, handle in cli.items()}
-
-
-def sample_users(model: TrainedModel, given: Sequence[str] | None = None) -> list[str]:
-    """Sample ids to verify with: `given` (or up to 64 vocabulary users) plus unknown ids."""
-    if given is None:
-        spread = np.linspace(0, len(model.users) - 1, num=min(MAX_KNOWN_SAMPLE, len(model.users)))
-        given = [model.users[i] for i in np.unique(spread.astype(np.int64))]
-    vocab = set(model.users)
-    return list(given) + [uid for uid in UNKNOWN_USER_IDS if uid not in vocab]
-
-
-def sample_histories(model: TrainedModel, n: int) -> list[list[str]]:
-    """Deterministic histories for n sample users: empty, short, over-long, with unknown ids."""
-    items = model.items
-    longest = model.config.history_length + 3  # longer than kept: truncation is checked too
-    histories = []
-    for row in range(n):
-        size = (0, 1, 3, longest)[row % 4]
-        history = [items[(row * 7 + j * 3) % len(items)] for j in range(size)] if items else []
-        if row % 5 == 2:
-            history.append(f"__recsys_verify_unknown_item_{row}__")
-        histories.append(history)
-    return histories
 
 
 def compare_topk(
@@ -172,35 +224,32 @@ def compare_topk(
     }
 
 
-def _signature_problems(got: dict[str, Any], inputs: dict, outputs: dict) -> list[str]:
-    expected = {"inputs": inputs, "outputs": outputs}
-    actual = {key: got[key] for key in expected}
-    return [] if actual == expected else [f"serving_default is {actual}, expected {expected}"]
+def _signature_problems(got: dict[str, Any], expected: dict[str, Any]) -> list[str]:
+    """Differences between a model's signatures as loaded and as `signature_specs` says."""
+    if sorted(got) != sorted(expected):
+        return [f"signatures {sorted(got)}, expected {sorted(expected)}"]
+    return [
+        f"{sig} is {got[sig]}, expected {expected[sig]}"
+        for sig in sorted(expected)
+        if got[sig] != expected[sig]
+    ]
 
 
-def _check_query(
-    model: TrainedModel,
-    queries: np.ndarray,
-    outputs: dict[str, np.ndarray],
-    child: dict[str, Any],
-    tolerance: float,
+def _check_embeddings(
+    name: str, expected: np.ndarray, outputs: dict[str, np.ndarray], tolerance: float
 ) -> tuple[dict[str, Any], list[str]]:
-    """Signature and embeddings of the query model against `queries`; (report, problems)."""
-    dim = output_dim(model)
-    problems = _signature_problems(
-        child,
-        _INPUTS,
-        {EMBEDDING: {"dtype": "float32", "shape": [None, dim]}},
-    )
-    got = outputs[f"{QUERY}.{EMBEDDING}"]
-    if got.shape != queries.shape:
-        problems.append(f"embedding shape {got.shape}, expected {queries.shape}")
-        return {"signature": _signature(child)}, problems
-    diff = float(np.abs(got - queries).max(initial=0.0))
-    if not diff <= tolerance:
-        problems.append(f"max abs embedding diff {diff:.3g}")
-    result = {"signature": _signature(child), "max_abs_diff_embedding": diff}
-    return result, problems
+    """Every signature's `embedding` of a query or candidate model against `expected`."""
+    problems, diffs = [], {}
+    for signature in SIGNATURES:
+        got = outputs[f"{name}.{signature}.all.{EMBEDDING}"]
+        if got.shape != expected.shape:
+            problems.append(f"{signature} embedding shape {got.shape}, expected {expected.shape}")
+            continue
+        diffs[signature] = float(np.abs(got - expected).max(initial=0.0))
+        if not diffs[signature] <= tolerance:
+            problems.append(f"{signature}: max abs embedding diff {diffs[signature]:.3g}")
+    worst = max(diffs.values(), default=float("nan"))
+    return {"max_abs_diff_embedding": worst, "per_signature": diffs}, problems
 
 
 def _check_retrieval(
@@ -208,45 +257,88 @@ def _check_retrieval(
     queries: np.ndarray,
     items: np.ndarray,
     outputs: dict[str, np.ndarray],
-    child: dict[str, Any],
+    ks: list[int],
     tolerance: float,
+    max_k: int | None,
 ) -> tuple[dict[str, Any], list[str]]:
-    """Signature and top-K of the retrieval model against brute force; (report, problems)."""
-    got_ids, got_scores = outputs[f"{RETRIEVAL}.{ITEM_IDS}"], outputs[f"{RETRIEVAL}.{SCORES}"]
-    k = got_scores.shape[1] if got_scores.ndim == 2 else -1
-    problems = _signature_problems(
-        child,
-        _INPUTS,
-        {
-            ITEM_IDS: {"dtype": "string", "shape": [None, k]},
-            SCORES: {"dtype": "float32", "shape": [None, k]},
-        },
-    )
-    if not 1 <= k <= len(model.items) or got_ids.shape != (len(queries), k):
-        problems.append(f"K={k} outside [1, {len(model.items)}] or ids shape {got_ids.shape}")
-        return {"signature": _signature(child), "k": k}, problems
+    """Both signatures' top-K against brute force, and mixed k against the full answer."""
     full = queries @ items.T
-    stats = compare_topk(full, model.items, got_ids, got_scores, tolerance)
-    diff = max(stats["max_abs_diff_scores"], stats["max_abs_diff_id_scores"])
-    if not diff <= tolerance:
-        problems.append(f"max abs score diff {diff:.3g}")
-    counted = ("unknown_item_ids", "rows_with_duplicate_ids", "topk_id_mismatches")
-    problems += [f"{stats[key]} {key.replace('_', ' ')}" for key in counted if stats[key]]
-    return {"signature": _signature(child), "k": k, **stats}, problems
+    problems: list[str] = []
+    per_signature: dict[str, Any] = {}
+    widths = set()
+    for signature in SIGNATURES:
+        prefix = f"{RETRIEVAL}.{signature}"
+        got_ids, got_scores = outputs[f"{prefix}.all.{ITEM_IDS}"], outputs[f"{prefix}.all.{SCORES}"]
+        k = got_scores.shape[1] if got_scores.ndim == 2 else -1
+        widths.add(k)
+        expected_k = min(max_k, len(model.items)) if max_k else None
+        if not 1 <= k <= len(model.items) or got_ids.shape != (len(queries), k):
+            problems.append(f"{signature}: K={k} outside [1, {len(model.items)}]")
+            continue
+        if expected_k is not None and k != expected_k:
+            problems.append(f"{signature}: K={k} for a huge k, expected max_k {expected_k}")
+        stats = compare_topk(full, model.items, got_ids, got_scores, tolerance)
+        diff = max(stats["max_abs_diff_scores"], stats["max_abs_diff_id_scores"])
+        if not diff <= tolerance:
+            problems.append(f"{signature}: max abs score diff {diff:.3g}")
+        counted = ("unknown_item_ids", "rows_with_duplicate_ids", "topk_id_mismatches")
+        problems += [
+            f"{signature}: {stats[key]} {key.replace('_', ' ')}" for key in counted if stats[key]
+        ]
+        mixed = mixed_k_problems(
+            got_ids,
+            got_scores,
+            outputs[f"{prefix}.mixed.{ITEM_IDS}"],
+            outputs[f"{prefix}.mixed.{SCORES}"],
+            ks,
+        )
+        problems += [f"{signature}: {p}" for p in mixed[:3]]
+        per_signature[signature] = {**stats, "mixed_k_problems": len(mixed)}
+    keys = ("max_abs_diff_scores", "max_abs_diff_id_scores")
+    summary: dict[str, Any] = {
+        "k": max(widths),
+        **{key: max(s[key] for s in per_signature.values()) for key in keys if per_signature},
+        "topk_id_mismatches": sum(s["topk_id_mismatches"] for s in per_signature.values()),
+        "per_signature": per_signature,
+    }
+    return summary, problems
 
 
-def _signature(child: dict[str, Any]) -> dict[str, Any]:
-    return {"inputs": child["inputs"], "outputs": child["outputs"]}
+def mixed_k_problems(
+    full_ids: np.ndarray,
+    full_scores: np.ndarray,
+    ids: np.ndarray,
+    scores: np.ndarray,
+    ks: Sequence[int],
+) -> list[str]:
+    """How a mixed-k answer departs from the all-max one: rows must be clipped prefixes.
+
+    Row r asked for ks[r]; it must hold the first clip(ks[r], 1, K) items of the full answer
+    (K its width), then padding (PAD_ITEM_ID, PAD_SCORE) up to the batch's widest row.
+    """
+    width = full_scores.shape[1]
+    clipped = np.clip(np.asarray(ks), 1, width)
+    expected_width = int(clipped.max(initial=1))
+    if scores.shape != (len(ks), expected_width) or ids.shape != scores.shape:
+        return [f"mixed k: shape {scores.shape}, expected {(len(ks), expected_width)}"]
+    problems = []
+    for row, k in enumerate(clipped):
+        if list(ids[row, :k]) != list(full_ids[row, :k]) or not np.array_equal(
+            scores[row, :k], full_scores[row, :k]
+        ):
+            problems.append(f"mixed k: row {row} (k={ks[row]}) is not the full answer's prefix")
+        elif (ids[row, k:] != PAD_ITEM_ID).any() or (scores[row, k:] != PAD_SCORE).any():
+            problems.append(f"mixed k: row {row} (k={ks[row]}) is not padded after {k}")
+    return problems
 
 
 def _reload_in_fresh_process(
-    exported: dict[str, Path], user_ids: list[str], histories: list[list[str]], tmp: Path
+    exported: dict[str, Path], calls: list[dict[str, Any]], tmp: Path
 ) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
     """Run reload_check.py in a new interpreter; return its report and output arrays."""
     request = {
         "models": {name: str(path) for name, path in exported.items()},
-        "user_ids": user_ids,
-        "histories": histories,
+        "calls": calls,
         "outputs": str(tmp / "outputs.npz"),
         "report": str(tmp / "report.json"),
     }
@@ -317,6 +409,7 @@ def _finish_cli(handle: tuple[subprocess.Popen, Path] | None) -> tuple[str, str 
     text = log.read_text(encoding="utf-8", errors="replace")
     if proc.returncode != 0:
         return "failed", f"saved_model_cli exited {proc.returncode}: {text.strip()[-1000:]}"
-    if "signature_def['serving_default']" not in text:
-        return "no serving_default", "saved_model_cli does not list serving_default"
-    return "serving_default listed", None
+    missing = [sig for sig in SIGNATURES if f"signature_def['{sig}']" not in text]
+    if missing:
+        return f"missing {missing}", f"saved_model_cli does not list {missing}"
+    return f"{', '.join(SIGNATURES)} listed", None

@@ -7,6 +7,7 @@ import os
 os.environ.setdefault("TF_USE_LEGACY_KERAS", "1")
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -15,6 +16,7 @@ from recsys import stages
 from recsys.config import RecsysConfig, parse_config
 from recsys.layout import Workdir
 from recsys.synthetic import write_csv
+from tests.mlflow_server import MlflowServer, mlflow_server
 
 REPO = Path(__file__).resolve().parent.parent
 ML100K = Path(os.environ.get("RECSYS_ML100K", REPO.parent / "shared" / "data" / "ml-100k"))
@@ -68,3 +70,17 @@ def prepared(tmp_path_factory: pytest.TempPathFactory) -> tuple[RecsysConfig, Wo
     workdir = Workdir(tmp_path_factory.mktemp("work"))
     data_dir, _ = stages.preprocess(config, workdir, dt.date.fromisoformat(SMALL_DATE))
     return config, workdir, data_dir
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[MlflowServer]:
+    """One real `mlflow server` per test module that asks for it (it takes seconds to start)."""
+    with mlflow_server(tmp_path_factory.mktemp("mlflow-server")) as running:
+        yield running
+
+
+@pytest.fixture(autouse=True)
+def _no_ambient_mlflow(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A developer's MLflow settings must not redirect or weaken the tests."""
+    for name in ("MLFLOW_TRACKING_URI", "MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT"):
+        monkeypatch.delenv(name, raising=False)

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import datetime as dt
 import json
-from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -18,17 +17,10 @@ from recsys.evaluation import per_user_values
 from recsys.gate import paired_bootstrap
 from recsys.layout import Workdir
 from recsys.promotion import publish_run
-from tests.mlflow_server import MlflowServer, mlflow_server
+from tests.mlflow_server import MlflowServer
 from tests.test_tracking_registry import configured, fake_run
 
 DAY_A, DAY_B = dt.date(2026, 1, 5), dt.date(2026, 1, 6)
-
-
-@pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[MlflowServer]:
-    """One real tracking server for the module."""
-    with mlflow_server(tmp_path_factory.mktemp("mlflow-compare")) as running:
-        yield running
 
 
 def _per_user(users: list[str], ranks: np.ndarray) -> dict[str, list]:

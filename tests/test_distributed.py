@@ -98,16 +98,18 @@ def test_two_replicas_match_one_replica_on_the_same_global_batch() -> None:
 
 WORKER_CHILD = textwrap.dedent(
     """
-    import json, sys
+    import datetime as dt, json, sys
     import recsys
     from pathlib import Path
+    from recsys import stages
     from recsys.config import RecsysConfig
-    from recsys.training.trainer import train
+    from recsys.layout import Workdir
 
     config = RecsysConfig.model_validate_json(Path(sys.argv[1]).read_text())
-    result = train(config, Path(sys.argv[2]))
+    date = dt.date.fromisoformat(sys.argv[3])
+    run_dir, result = stages.train(config, Workdir(Path(sys.argv[2])), date)
     print(json.dumps({"replicas": result.replicas, "strategy": result.strategy,
-                      "loss": result.history["loss"]}))
+                      "loss": result.history["loss"], "run_dir": run_dir and str(run_dir)}))
     """
 )
 
@@ -135,13 +137,13 @@ def test_multi_worker_mirrored_on_two_local_processes(tmp_path: Path) -> None:
     from tests.conftest import SMALL, SMALL_DATE
 
     config = parse_config(SMALL)
-    data_dir, _ = stages.preprocess(
-        config, Workdir(tmp_path / "work"), dt.date.fromisoformat(SMALL_DATE)
-    )
+    work = Workdir(tmp_path / "work")
+    stages.preprocess(config, work, dt.date.fromisoformat(SMALL_DATE))
     raw = config.model_dump(mode="json")
     raw["training"].update({"epochs": 1, "batch_size": 256, "strategy": "auto"})
     (tmp_path / "config.json").write_text(json.dumps(raw))
     cluster = {"worker": [f"127.0.0.1:{port}" for port in _free_ports(2)]}
+    args = [str(work.root), SMALL_DATE]
     workers = []
     for index in range(2):
         env = _child_env()
@@ -150,7 +152,7 @@ def test_multi_worker_mirrored_on_two_local_processes(tmp_path: Path) -> None:
         )
         workers.append(
             subprocess.Popen(
-                [sys.executable, "-c", WORKER_CHILD, str(tmp_path / "config.json"), str(data_dir)],
+                [sys.executable, "-c", WORKER_CHILD, str(tmp_path / "config.json"), *args],
                 stdout=subprocess.PIPE,
                 stderr=subprocess.PIPE,
                 text=True,
@@ -172,6 +174,11 @@ def test_multi_worker_mirrored_on_two_local_processes(tmp_path: Path) -> None:
     assert [o["replicas"] for o in outputs] == [2, 2]
     # Both workers hold the same synchronously trained model: the same mean loss.
     assert outputs[0]["loss"] == pytest.approx(outputs[1]["loss"], rel=1e-4)
+    # Only the chief (worker 0: the cluster names no chief) wrote a run folder.
+    assert outputs[1]["run_dir"] is None
+    runs = list(work.runs(dt.date.fromisoformat(SMALL_DATE)).iterdir())
+    assert [str(p) for p in runs] == [outputs[0]["run_dir"]]
+    assert (runs[0] / "_SUCCESS").is_file() and (runs[0] / "model" / "model.json").is_file()
 
 
 TRAINER_MIRRORED_CHILD = textwrap.dedent(

@@ -1,7 +1,8 @@
-"""SavedModel export and its fresh-process verification (serving_export.savedmodels, .verify)."""
+"""SavedModel export (query, candidate, retrieval) and its fresh-process verification."""
 
 from __future__ import annotations
 
+import functools
 import shutil
 from pathlib import Path
 
@@ -12,9 +13,20 @@ import tensorflow as tf
 from recsys.config import ModelConfig
 from recsys.errors import ExportVerificationError
 from recsys.model import TrainedModel
-from serving_export import savedmodels, verify
-from serving_export.savedmodels import QUERY, RETRIEVAL, export_savedmodels
-from serving_export.verify import compare_topk, sample_users, verify_export
+from serving_export import samples, savedmodels, verify
+from serving_export.savedmodels import (
+    CANDIDATE,
+    MODEL_NAMES,
+    PAD_SCORE,
+    QUERY,
+    RETRIEVAL,
+    SIGNATURES,
+    TF_EXAMPLE_SIGNATURE,
+    export_savedmodels,
+    signature_specs,
+)
+from serving_export.verify import candidate_embeddings, compare_topk, sample_users, verify_export
+from serving_export.warmup import WARMUP_DIR, WARMUP_FILE, read_warmup_requests
 
 USERS = [f"u{i}" for i in range(12)]
 ITEMS = [f"item-{i}" for i in range(25)]
@@ -31,17 +43,40 @@ def build_model(seed: int, users: list[str] = USERS) -> TrainedModel:
     return TrainedModel.build(users, ITEMS, CONFIG)
 
 
+def _load(model_dir: Path) -> object:
+    """tf.saved_model.load, once per SavedModel on disk (loading dominates these tests)."""
+    stamp = (model_dir / "saved_model.pb").stat().st_mtime_ns
+    return _load_cached(str(model_dir), stamp)
+
+
+@functools.lru_cache(maxsize=16)
+def _load_cached(model_dir: str, stamp: int) -> object:
+    return tf.saved_model.load(model_dir)
+
+
 def serve(
-    model_dir: Path, user_ids: list[str], history: list[list[str]] | None = None
+    model_dir: Path,
+    user_ids: list[str],
+    history: list[list[str]] | None = None,
+    k: list[int] | None = None,
 ) -> dict[str, np.ndarray]:
-    """Call serving_default of an exported model in this process ("" pads the histories)."""
-    fn = tf.saved_model.load(str(model_dir)).signatures["serving_default"]
-    history = history or [[] for _ in user_ids]
-    width = max(len(h) for h in history)
-    padded = tf.constant(
-        [h + [""] * (width - len(h)) for h in history], tf.string, shape=[len(user_ids), width]
-    )
-    return {k: v.numpy() for k, v in fn(user_id=tf.constant(user_ids), history=padded).items()}
+    """Call serving_default of a query/retrieval export in this process ("" pads histories)."""
+    fn = _load(model_dir).signatures["serving_default"]
+    inputs = {
+        "user_id": tf.constant(user_ids, tf.string),
+        "history": tf.constant(samples.padded(history or [[] for _ in user_ids])),
+    }
+    if "k" in fn.structured_input_signature[1]:
+        inputs["k"] = tf.constant(k if k is not None else [TOP_K] * len(user_ids), tf.int32)
+    return {key: v.numpy() for key, v in fn(**inputs).items()}
+
+
+def call(model_dir: Path, signature: str, **inputs: object) -> dict[str, np.ndarray]:
+    """Call any signature of an export with the given input arrays."""
+    fn = _load(model_dir).signatures[signature]
+    return {
+        key: v.numpy() for key, v in fn(**{k: tf.constant(v) for k, v in inputs.items()}).items()
+    }
 
 
 @pytest.fixture(scope="module")
@@ -61,39 +96,49 @@ def exported(model: TrainedModel, export_root: Path) -> dict[str, Path]:
 
 @pytest.fixture(scope="module")
 def report(model: TrainedModel, exported: dict[str, Path]) -> dict:
-    return verify_export(model, exported, TOL)
+    return verify_export(model, exported, TOL, max_k=TOP_K)
 
 
 def test_tf_serving_layout(exported: dict[str, Path], export_root: Path) -> None:
-    assert exported == {name: export_root / name / str(VERSION) for name in (QUERY, RETRIEVAL)}
+    assert exported == {name: export_root / name / str(VERSION) for name in MODEL_NAMES}
     for name, model_dir in exported.items():
         assert (model_dir / "saved_model.pb").is_file()
         assert (model_dir / "variables" / "variables.index").is_file()
-        assert (model_dir / "assets" / savedmodels.USER_VOCAB_ASSET).read_text().split() == USERS
+        assert (model_dir / WARMUP_DIR / WARMUP_FILE).is_file()
+        assets = model_dir / "assets"
+        assert (assets / savedmodels.ITEM_VOCAB_ASSET).read_text().split() == ITEMS
+        if name != CANDIDATE:
+            assert (assets / savedmodels.USER_VOCAB_ASSET).read_text().split() == USERS
         assert [p.name for p in (export_root / name).iterdir()] == [str(VERSION)]
 
 
-def test_verify_passes_in_a_fresh_process(report: dict) -> None:
+def test_verify_calls_every_signature_in_a_fresh_process(report: dict, model: TrainedModel) -> None:
     assert report["fresh_process"]["project_modules_loaded"] == []
     assert report["unknown_sample_users"] >= 2
-    query, retrieval = report["models"][QUERY], report["models"][RETRIEVAL]
-    assert query["max_abs_diff_embedding"] <= TOL
-    assert retrieval["max_abs_diff_scores"] <= TOL
-    assert retrieval["topk_id_mismatches"] == 0
+    models = report["models"]
+    assert sorted(models) == sorted(MODEL_NAMES)
+    for name in (QUERY, CANDIDATE):
+        assert sorted(models[name]["per_signature"]) == sorted(SIGNATURES)
+        assert models[name]["max_abs_diff_embedding"] <= TOL
+    retrieval = models[RETRIEVAL]
     assert retrieval["k"] == TOP_K
-    assert query["signature"] == {
+    for stats in retrieval["per_signature"].values():
+        assert stats["max_abs_diff_scores"] <= TOL and stats["topk_id_mismatches"] == 0
+        assert stats["mixed_k_problems"] == 0
+    specs = signature_specs(model)
+    assert {name: m["signatures"] for name, m in models.items()} == specs
+    assert specs[QUERY]["serving_default"] == {
         "inputs": {
             "history": {"dtype": "string", "shape": [None, None]},
             "user_id": {"dtype": "string", "shape": [None]},
         },
         "outputs": {"embedding": {"dtype": "float32", "shape": [None, 6]}},
     }
-    assert retrieval["signature"]["outputs"] == {
-        "item_ids": {"dtype": "string", "shape": [None, TOP_K]},
-        "scores": {"dtype": "float32", "shape": [None, TOP_K]},
-    }
-    expected_cli = "serving_default listed" if verify.SAVED_MODEL_CLI.is_file() else "skipped"
-    assert all(m["saved_model_cli"].startswith(expected_cli) for m in report["models"].values())
+    assert all(m["warmup_requests_replayed"] == 4 for m in models.values())
+    expected_cli = "serving_default, predict_tf_example listed"
+    if not verify.SAVED_MODEL_CLI.is_file():
+        expected_cli = "skipped"
+    assert all(m["saved_model_cli"].startswith(expected_cli) for m in models.values())
     assert report["seconds"] > 0
 
 
@@ -114,17 +159,112 @@ def test_retrieval_equals_numpy_brute_force(model: TrainedModel, exported: dict[
 
 
 def test_k_is_capped_at_catalog_size(model: TrainedModel, tmp_path: Path) -> None:
-    exported = export_savedmodels(model, tmp_path, 1, top_k=1000)
-    got = serve(exported[RETRIEVAL], ["u0"])
+    exported = export_savedmodels(model, tmp_path, 1, top_k=1000, warmup=False)
+    got = serve(exported[RETRIEVAL], ["u0"], k=[1000])
     assert got["item_ids"].shape == (1, len(ITEMS))
     assert sorted(got["item_ids"][0].astype(str)) == sorted(ITEMS)
+    assert not (exported[RETRIEVAL] / WARMUP_DIR).exists()
+
+
+def test_k_is_per_row_and_clipped_in_the_graph(
+    model: TrainedModel, exported: dict[str, Path]
+) -> None:
+    ids = ["u0", "u1", "u2", "u3", "u4"]
+    full = serve(exported[RETRIEVAL], ids, k=[TOP_K] * 5)
+    got = serve(exported[RETRIEVAL], ids, k=[-7, 0, 2, TOP_K, 2**31 - 1])
+    assert got["item_ids"].shape == (5, TOP_K)  # the widest clipped k of the batch
+    for row, k in enumerate([1, 1, 2, TOP_K, TOP_K]):
+        np.testing.assert_array_equal(got["item_ids"][row, :k], full["item_ids"][row, :k])
+        np.testing.assert_array_equal(got["scores"][row, :k], full["scores"][row, :k])
+        assert (got["item_ids"][row, k:] == b"").all()
+        assert (got["scores"][row, k:] == PAD_SCORE).all()
+    narrow = serve(exported[RETRIEVAL], ids, k=[1, 2, 2, 1, 2])
+    assert narrow["item_ids"].shape == (5, 2)
+    # One k for the whole batch (or none at all) applies to every row instead of failing.
+    assert serve(exported[RETRIEVAL], ids, k=[3])["item_ids"].shape == (5, 3)
+    assert serve(exported[RETRIEVAL], ids, k=[])["item_ids"].shape == (5, TOP_K)
+    empty = serve(exported[RETRIEVAL], [], history=[], k=[])
+    assert empty["item_ids"].shape[0] == 0 and empty["scores"].shape[0] == 0
+
+
+def test_candidate_model_embeds_raw_item_ids(
+    model: TrainedModel, exported: dict[str, Path]
+) -> None:
+    ids = [*ITEMS[:5], "never-seen-item", ""]
+    got = call(exported[CANDIDATE], "serving_default", item_id=samples.strings(ids))["embedding"]
+    np.testing.assert_allclose(got, candidate_embeddings(model, ids), atol=TOL)
+    np.testing.assert_allclose(got[:5], model.item_embeddings()[:5], atol=TOL)
+    np.testing.assert_allclose(np.linalg.norm(got, axis=1), 1.0, atol=1e-5)
+
+
+@pytest.mark.parametrize("name", MODEL_NAMES)
+def test_tf_example_signature_equals_the_raw_feature_one(
+    model: TrainedModel, exported: dict[str, Path], name: str
+) -> None:
+    users = sample_users(model)
+    histories = samples.sample_histories(model, len(users))
+    items = samples.sample_items(model)
+    ks = samples.sample_ks(TOP_K, len(users))
+    raw = call(
+        exported[name],
+        "serving_default",
+        **samples.request_inputs(name, "serving_default", users, histories, items, ks),
+    )
+    parsed = call(
+        exported[name],
+        TF_EXAMPLE_SIGNATURE,
+        **samples.request_inputs(name, TF_EXAMPLE_SIGNATURE, users, histories, items, ks),
+    )
+    assert sorted(raw) == sorted(parsed)
+    for key, value in raw.items():
+        if value.dtype == object:
+            np.testing.assert_array_equal(parsed[key], value)
+        else:
+            np.testing.assert_allclose(parsed[key], value, atol=TOL)
+
+
+def test_tf_examples_missing_features_take_schema_defaults(exported: dict[str, Path]) -> None:
+    # An empty Example is user "" with no history, as the schema's defaults say.
+    empty = np.array([samples.tf_example({})], dtype=object)
+    got = call(exported[QUERY], TF_EXAMPLE_SIGNATURE, examples=empty)["embedding"]
+    np.testing.assert_allclose(got, serve(exported[QUERY], [""])["embedding"], atol=TOL)
+    # Bytes that are no Example fail that request (InvalidArgument), not the server.
+    with pytest.raises(tf.errors.InvalidArgumentError):
+        call(exported[QUERY], TF_EXAMPLE_SIGNATURE, examples=np.array([b"\x0a\x05hello"], object))
+
+
+def test_oversized_and_empty_requests_are_served(
+    model: TrainedModel, exported: dict[str, Path]
+) -> None:
+    huge = [ITEMS[i % len(ITEMS)] for i in range(10_000)]
+    got = serve(exported[QUERY], ["u1", "u2"], [huge, []])["embedding"]
+    expected = model.user_embeddings(["u1", "u2"], [huge[-CONFIG.history_length :], []])
+    np.testing.assert_allclose(got, expected, atol=TOL)
+    assert serve(exported[QUERY], [], [])["embedding"].shape == (0, model.output_dim)
+    wide = serve(exported[RETRIEVAL], ["u1"] * 3, [huge, [], [""] * 50], k=[10**9] * 3)
+    assert wide["item_ids"].shape == (3, TOP_K)
+
+
+def test_warmup_records_parse_and_replay(exported: dict[str, Path]) -> None:
+    from tensorflow_serving.apis import prediction_log_pb2
+
+    for name, model_dir in exported.items():
+        raw = list(tf.data.TFRecordDataset(str(model_dir / WARMUP_DIR / WARMUP_FILE)))
+        logs = [prediction_log_pb2.PredictionLog.FromString(r.numpy()) for r in raw]
+        assert {log.predict_log.request.model_spec.name for log in logs} == {name}
+        requests = read_warmup_requests(model_dir)
+        assert sorted({sig for sig, _ in requests}) == sorted(SIGNATURES)
+        assert sorted({len(next(iter(inputs.values()))) for _, inputs in requests}) == [1, 8]
+        for signature, inputs in requests:
+            out = call(model_dir, signature, **inputs)
+            assert all(len(value) == len(next(iter(inputs.values()))) for value in out.values())
 
 
 def test_ids_a_vocabulary_file_cannot_hold_fall_back_to_an_inline_vocabulary(
     tmp_path: Path,
 ) -> None:
     odd = build_model(seed=3, users=["line\nbreak", "carriage\rreturn", "plain"])
-    exported = export_savedmodels(odd, tmp_path, 1, TOP_K)
+    exported = export_savedmodels(odd, tmp_path, 1, TOP_K, warmup=False)
     assert not (exported[QUERY] / "assets" / savedmodels.USER_VOCAB_ASSET).exists()
     ids = ["line\nbreak", "carriage\rreturn", "plain", "unknown"]
     np.testing.assert_allclose(
@@ -135,7 +275,7 @@ def test_ids_a_vocabulary_file_cannot_hold_fall_back_to_an_inline_vocabulary(
 def test_failed_save_publishes_nothing(
     model: TrainedModel, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    export_savedmodels(model, tmp_path, 1, TOP_K)
+    export_savedmodels(model, tmp_path, 1, TOP_K, warmup=False)
     before = (tmp_path / QUERY / "1" / "saved_model.pb").read_bytes()
     real_save = tf.saved_model.save
 
@@ -148,14 +288,14 @@ def test_failed_save_publishes_nothing(
     for version in (2, 1):  # a new version, and a rerun over a published one
         with pytest.raises(OSError, match="disk full"):
             export_savedmodels(model, tmp_path, version, TOP_K)
-    for name in (QUERY, RETRIEVAL):
+    for name in MODEL_NAMES:
         assert [p.name for p in (tmp_path / name).iterdir()] == ["1"]  # no temp folder left
     assert (tmp_path / QUERY / "1" / "saved_model.pb").read_bytes() == before
 
 
 def test_rerun_replaces_the_same_version(model: TrainedModel, tmp_path: Path) -> None:
-    export_savedmodels(build_model(seed=4), tmp_path, 1, TOP_K)
-    exported = export_savedmodels(model, tmp_path, 1, TOP_K)
+    export_savedmodels(build_model(seed=4), tmp_path, 1, TOP_K, warmup=False)
+    exported = export_savedmodels(model, tmp_path, 1, TOP_K, warmup=False)
     got = serve(exported[QUERY], ["u1"])["embedding"]
     np.testing.assert_allclose(got, model.user_embeddings(["u1"]), atol=TOL)
     assert [p.name for p in (tmp_path / QUERY).iterdir()] == ["1"]
@@ -167,10 +307,15 @@ def test_verify_catches_a_different_model_on_disk(
     tampered = export_savedmodels(build_model(seed=2), tmp_path, VERSION, TOP_K)
     monkeypatch.setattr(verify, "SAVED_MODEL_CLI", tmp_path / "missing")  # speed only
     with pytest.raises(ExportVerificationError) as err:
-        verify_export(model, tampered, TOL)
+        verify_export(model, tampered, TOL, max_k=TOP_K + 1)
     message = str(err.value)
-    assert f"query SavedModel at {tampered[QUERY]}: max abs embedding diff" in message
-    assert f"retrieval SavedModel at {tampered[RETRIEVAL]}: max abs score diff" in message
+    for name in (QUERY, CANDIDATE):
+        assert (
+            f"{name} SavedModel at {tampered[name]}: serving_default: max abs embedding" in message
+        )
+        assert "predict_tf_example: max abs embedding diff" in message
+    assert f"retrieval SavedModel at {tampered[RETRIEVAL]}: serving_default: K=5" in message
+    assert "expected max_k 6" in message and "serving_default: max abs score diff" in message
 
 
 def test_verify_reports_an_unloadable_export(
@@ -232,7 +377,7 @@ def test_history_input_matches_the_in_memory_model(
     np.testing.assert_allclose(
         got[4:5], model.user_embeddings(["new-user"], [["item-2"]]), atol=TOL
     )
-    ranked = serve(exported[RETRIEVAL], ids, histories)
+    ranked = serve(exported[RETRIEVAL], ids, histories, k=[TOP_K] * len(ids))
     scores = model.user_embeddings(ids, histories) @ model.item_embeddings().T
     np.testing.assert_allclose(ranked["scores"], -np.sort(-scores, axis=1)[:, :TOP_K], atol=TOL)
 
@@ -248,13 +393,61 @@ def test_item_features_are_baked_into_the_export(
     )
     tf.keras.utils.set_random_seed(5)
     featured = TrainedModel.build(USERS, ITEMS, CONFIG, features)
-    exported = export_savedmodels(featured, tmp_path, 1, TOP_K)
+    exported = export_savedmodels(featured, tmp_path, 1, TOP_K, warmup=False)
     monkeypatch.setattr(verify, "SAVED_MODEL_CLI", tmp_path / "missing")  # speed only
-    report = verify_export(featured, exported, TOL)
+    report = verify_export(featured, exported, TOL, expect_warmup=False)
     assert report["models"][QUERY]["max_abs_diff_embedding"] <= TOL
+    assert report["models"][CANDIDATE]["max_abs_diff_embedding"] <= TOL
     assert report["models"][RETRIEVAL]["topk_id_mismatches"] == 0
     # The baked genre table moves the candidates: blanking it changes every embedding.
     before = featured.item_embeddings()
     table = featured.candidate_tower.feature_ids["genres"]
     table.assign(tf.fill(table.shape, -1))
     assert (np.abs(featured.item_embeddings() - before).max(axis=1) > 1e-4).all()
+
+
+def test_verify_catches_wrong_padding_and_missing_signatures(model: TrainedModel) -> None:
+    full_ids = np.array([["a", "b", "c"], ["d", "e", "f"]])
+    full_scores = np.array([[0.9, 0.5, 0.1], [0.8, 0.4, 0.2]], np.float32)
+    ids, scores = full_ids[:, :2].copy(), full_scores[:, :2].copy()
+    ids[0, 1], scores[0, 1] = "", PAD_SCORE
+    assert verify.mixed_k_problems(full_ids, full_scores, ids, scores, [1, 2]) == []
+    ids[0, 1] = "b"  # row 0 asked for one item but got two
+    assert "not padded" in verify.mixed_k_problems(full_ids, full_scores, ids, scores, [1, 2])[0]
+    assert "shape" in verify.mixed_k_problems(full_ids, full_scores, ids, scores, [1, 3])[0]
+    specs = signature_specs(model)[QUERY]
+    only_default = {"serving_default": specs["serving_default"]}
+    assert "signatures ['serving_default']" in verify._signature_problems(only_default, specs)[0]
+
+
+def test_documented_rest_requests_run_against_the_exports(
+    model: TrainedModel, exported: dict[str, Path]
+) -> None:
+    """Every `curl -d` body in docs/SERVING.md, sent to the signature its URL names."""
+    import base64
+    import json
+    import re
+
+    doc = (Path(__file__).resolve().parent.parent / "docs" / "SERVING.md").read_text()
+    requests = re.findall(r"-d '(\{.*?\})'\s*\\?\s*(http://\S+)", doc, flags=re.DOTALL)
+    assert len(requests) >= 6
+    specs = signature_specs(model)
+    for body, url in requests:
+        name = url.split("/v1/models/")[1].split("/")[0].split(":")[0]
+        payload = json.loads(body)
+        signature = payload.get("signature_name", "serving_default")
+        expected = specs[name][signature]["inputs"]
+        columns = payload.get("inputs") or {
+            key: [row[key] for row in payload["instances"]] for key in payload["instances"][0]
+        }
+        assert sorted(columns) == sorted(expected), (url, body)
+        inputs = {}
+        for key, values in columns.items():
+            if key == "examples":
+                values = [base64.b64decode(v["b64"]) for v in values]
+            dtype = np.int32 if expected[key]["dtype"] == "int32" else object
+            inputs[key] = np.array(values, dtype=dtype)
+            if key == "history":  # [] rows of the columnar example: a [n, 0] tensor
+                inputs[key] = inputs[key].reshape(len(values), -1)
+        outputs = call(exported[name], signature, **inputs)
+        assert sorted(outputs) == sorted(specs[name][signature]["outputs"])

@@ -10,7 +10,6 @@ from __future__ import annotations
 import contextlib
 import io
 import json
-from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -22,19 +21,12 @@ from mlflow import MlflowClient
 from recsys import cli
 from recsys.compare import user_segments
 from tests.conftest import SMALL, SMALL_DATE
-from tests.mlflow_server import MlflowServer, mlflow_server
+from tests.mlflow_server import MlflowServer
 
 pytestmark = pytest.mark.slow
 
 DAY1 = DAY2 = SMALL_DATE  # SMALL rejects rows after its date: both nights use its last day
 MODEL = "e2e-model"
-
-
-@pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[MlflowServer]:
-    """One real tracking server for the module."""
-    with mlflow_server(tmp_path_factory.mktemp("mlflow-e2e")) as running:
-        yield running
 
 
 def _config(root: Path, uri: str, epochs: int) -> Path:

@@ -160,7 +160,8 @@ def test_savedmodels_reload_in_a_fresh_process(nightly: tuple[Path, str], tmp_pa
         q = tf.saved_model.load({str(work / "export" / "query" / version_dir.name)!r})
         r = tf.saved_model.load({str(work / "export" / "retrieval" / version_dir.name)!r})
         emb = q.signatures["serving_default"](user_id=ids, history=hist)["embedding"].numpy()
-        top = r.signatures["serving_default"](user_id=ids, history=hist)
+        k = tf.fill(tf.shape(ids), {SMALL["export"]["top_k"]})
+        top = r.signatures["serving_default"](user_id=ids, history=hist, k=k)
         json.dump({{"embedding": emb.tolist(), "scores": top["scores"].numpy().tolist(),
                    "item_ids": [[x.decode() for x in row] for row in top["item_ids"].numpy()]}},
                   sys.stdout)

@@ -6,7 +6,6 @@ import datetime as dt
 import json
 import os
 import socket
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -22,26 +21,13 @@ from recsys.tracking import (
     redact_credentials,
     resolve_tracking_uri,
 )
-from tests.mlflow_server import MlflowServer, mlflow_server
+from tests.mlflow_server import MlflowServer
 
 RUN_DATE = dt.date(2026, 1, 5)
 STATS = {"fingerprint": "fp-1234", "train_rows": 1500, "eval_rows": 150}
 HISTORY = {"loss": [3.0, 2.0, 1.5], "regularization_loss": [0.1, 0.1, 0.1]}
 METRICS = {"recall_at_10": 0.25, "ndcg@10": 0.125, "mrr_at_100": 0.1}
 SECRET = "s3cret-t0ken"
-
-
-@pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[MlflowServer]:
-    """One real tracking server for the module (it takes several seconds to start)."""
-    with mlflow_server(tmp_path_factory.mktemp("mlflow-server")) as running:
-        yield running
-
-
-@pytest.fixture(autouse=True)
-def _no_ambient_tracking_uri(monkeypatch: pytest.MonkeyPatch) -> None:
-    """A developer's MLFLOW_TRACKING_URI must not redirect the tests."""
-    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
 
 
 def _artifacts(root: Path) -> list[Path]:

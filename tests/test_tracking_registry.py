@@ -9,7 +9,6 @@ from __future__ import annotations
 import datetime as dt
 import json
 import socket
-from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -27,18 +26,6 @@ from recsys.promotion import PENDING, publish_run
 from tests.mlflow_server import MlflowServer, free_port, mlflow_server
 
 DATE = dt.date(2026, 1, 5)
-
-
-@pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[MlflowServer]:
-    """One real tracking server for the module."""
-    with mlflow_server(tmp_path_factory.mktemp("mlflow-registry")) as running:
-        yield running
-
-
-@pytest.fixture(autouse=True)
-def _no_ambient_tracking_uri(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
 
 
 def configured(config: RecsysConfig, uri: str, model_name: str) -> RecsysConfig:

@@ -31,7 +31,7 @@ from recsys.model import (
     warm_start,
 )
 from recsys.training import trainer
-from recsys.training.dataset import training_dataset
+from recsys.training.dataset import in_memory_dataset, training_dataset
 from tests.conftest import SMALL, SMALL_DATE
 
 DATE = dt.date.fromisoformat(SMALL_DATE)
@@ -77,6 +77,58 @@ def test_same_seed_same_batches_when_deterministic(
 
     assert first_items(1) == first_items(1)
     assert first_items(1) != first_items(2)
+
+
+def test_in_memory_batches_equal_streamed_ones(
+    prepared: tuple[RecsysConfig, Workdir, Path],
+) -> None:
+    """Held in memory, the split yields what streaming with a buffer >= the split yields."""
+    config, _, data_dir = prepared
+    model = _model(data_dir, config.model)
+
+    def epochs(ds: tf.data.Dataset) -> list[list[np.ndarray]]:
+        return [[b["item_index"].numpy() for b in ds] for _ in range(2)]
+
+    tf.keras.utils.set_random_seed(5)
+    streamed = epochs(training_dataset(data_dir, "train", model, 64, 10**6, 5))
+    tf.keras.utils.set_random_seed(5)
+    cached = epochs(in_memory_dataset(data_dir, "train", model, 64, True, 5))
+    for s_epoch, c_epoch in zip(streamed, cached, strict=True):
+        assert len(s_epoch) == len(c_epoch)
+        for s_batch, c_batch in zip(s_epoch, c_epoch, strict=True):
+            np.testing.assert_array_equal(s_batch, c_batch)
+    # Reshuffled every epoch, and a whole-split permutation (every example once).
+    assert not np.array_equal(np.concatenate(cached[0]), np.concatenate(cached[1]))
+    assert sorted(np.concatenate(cached[0])) == sorted(np.concatenate(cached[1]))
+    batch = next(iter(in_memory_dataset(data_dir, "train", model, 64)))
+    assert batch[HISTORY_INDEX].shape == (64, config.model.history_length)
+
+
+def test_cache_and_jit_settings(prepared: tuple[RecsysConfig, Workdir, Path]) -> None:
+    config, _, data_dir = prepared
+    model = _model(data_dir, config.model)
+    one = tf.distribute.get_strategy()
+    small = {"train": 1000, "validation": 100}
+    huge = {"train": 10**8, "validation": 0}  # ~18 GB of indices: streamed under auto
+    assert trainer.use_cache("auto", small, model, one)
+    assert not trainer.use_cache("auto", huge, model, one)
+    assert trainer.use_cache("memory", huge, model, one)
+    assert not trainer.use_cache("none", small, model, one)
+    assert trainer.use_jit("auto", 1) and not trainer.use_jit("auto", 2)
+    assert trainer.use_jit("on", 2) and not trainer.use_jit("off", 1)
+
+
+def test_xla_trains_the_same_model(prepared: tuple[RecsysConfig, Workdir, Path]) -> None:
+    """The XLA-compiled step and the plain graph: same (in-memory) batches, same losses."""
+    config, _, data_dir = prepared
+
+    def fit(jit: str) -> trainer.TrainResult:
+        cfg = with_updates(config, training={"epochs": 2, "jit_compile": jit, "cache": "memory"})
+        return trainer.train(cfg, data_dir)
+
+    fast, plain = fit("on"), fit("off")
+    assert (fast.jit_compile, plain.jit_compile, fast.cached) == (True, False, True)
+    np.testing.assert_allclose(fast.history["loss"], plain.history["loss"], rtol=1e-3)
 
 
 def test_item_features_from_parquet(tmp_path: Path) -> None:
@@ -173,6 +225,75 @@ def test_early_stopping_keeps_the_best_epoch(
     assert result.best_epoch == 2
     kept = result.model.candidate_tower.embedding.embeddings.numpy()
     np.testing.assert_array_equal(kept, snapshots[1])
+
+
+class Killed(Exception):
+    """Stands in for a SIGKILL after an epoch's checkpoint was written."""
+
+
+def test_early_stopping_state_survives_a_resume(
+    prepared: tuple[RecsysConfig, Workdir, Path],
+    monkeypatch: pytest.MonkeyPatch,
+    tmp_path: Path,
+) -> None:
+    """Best epoch 2 (0.5) before the kill; after it 0.3, 0.2: stop at 5, keep epoch 2."""
+    config, _, data_dir = prepared
+    scores = iter([0.1, 0.5, 0.2, 0.3, 0.2, 0.9, 0.9, 0.9])
+    snapshots: list[np.ndarray] = []
+
+    def scripted(self: trainer.ValidationRecall) -> float:
+        snapshots.append(self.trained.candidate_tower.embedding.embeddings.numpy().copy())
+        return next(scores)
+
+    def kill_after_epoch_3(self: trainer.EpochLogger, epoch: int, logs: object = None) -> None:
+        if epoch == 2:  # runs after the epoch's backup: the resume starts at epoch 4
+            raise Killed
+
+    monkeypatch.setattr(trainer.ValidationRecall, "score", scripted)
+    monkeypatch.setattr(trainer.EpochLogger, "on_epoch_end", kill_after_epoch_3)
+    cfg = with_updates(config, training={"epochs": 8, "early_stopping_patience": 3})
+    backup = tmp_path / "backup"
+    with pytest.raises(Killed):
+        trainer.train(cfg, data_dir, backup_dir=backup)
+    state = json.loads((backup / "early_stopping" / "state.json").read_text())
+    assert (state["best"], state["best_epoch"], state["wait"]) == (0.5, 1, 1)
+    monkeypatch.undo()
+    monkeypatch.setattr(trainer.ValidationRecall, "score", scripted)
+    tf.keras.backend.clear_session()
+    result = trainer.train(cfg, data_dir, backup_dir=backup)
+    # Only epochs 4 and 5 ran after the resume; without the saved state the best would be
+    # epoch 4 (0.3) and training would run to epoch 7.
+    assert result.history["val_recall_at_50"] == [0.3, 0.2]
+    assert result.best_epoch == 2
+    kept = result.model.candidate_tower.embedding.embeddings.numpy()
+    np.testing.assert_array_equal(kept, snapshots[1])
+    assert not (backup / "early_stopping").exists()  # a finished run leaves no state behind
+
+
+def test_is_chief_follows_tf_config(monkeypatch: pytest.MonkeyPatch) -> None:
+    def task(kind: str, index: int, chief: bool = False) -> None:
+        cluster = {"worker": ["127.0.0.1:1", "127.0.0.1:2"]}
+        if chief:
+            cluster["chief"] = ["127.0.0.1:3"]
+        spec = {"cluster": cluster, "task": {"type": kind, "index": index}}
+        monkeypatch.setenv("TF_CONFIG", json.dumps(spec))
+
+    monkeypatch.delenv("TF_CONFIG", raising=False)
+    assert trainer.is_chief()
+    task("worker", 0)
+    assert trainer.is_chief()
+    task("worker", 1)
+    assert not trainer.is_chief()
+    # Single-process layouts write their own files whatever TF_CONFIG says.
+    assert trainer.is_chief(tf.distribute.get_strategy())
+    task("worker", 0, chief=True)  # a cluster with a chief: worker 0 is not it
+    assert not trainer.is_chief()
+    task("chief", 0, chief=True)
+    assert trainer.is_chief()
+    assert trainer.write_dir(tmp := Path("/nonexistent/run"), chief=True) == tmp
+    temp = trainer.write_dir(Path("/nonexistent/run"), chief=False)
+    assert temp.is_dir() and temp.name.startswith("run-workertemp-")
+    temp.rmdir()
 
 
 def test_validation_recall_is_exact(prepared: tuple[RecsysConfig, Workdir, Path]) -> None:

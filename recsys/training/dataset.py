@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
@@ -99,6 +100,52 @@ def training_dataset(
     return ds.map(to_indices, num_parallel_calls=tf.data.AUTOTUNE).prefetch(tf.data.AUTOTUNE)
 
 
+def in_memory_dataset(
+    data_dir: Path,
+    split: str,
+    model: TrainedModel,
+    batch_size: int,
+    shuffle: bool = False,
+    seed: int | None = None,
+    drop_remainder: bool = False,
+) -> tf.data.Dataset:
+    """The same batches as `training_dataset`, from the whole split held in memory.
+
+    The split is read, parsed and looked up once; every epoch then draws a fresh permutation
+    of all its examples (a full shuffle, better mixed than a bounded buffer) and gathers each
+    batch with one op, so no epoch re-reads gzip records or refills a shuffle buffer.
+    """
+    columns = load_indices(data_dir, split, model)
+    n = len(columns[ITEM_INDEX])
+    # Constants in the input graph: fine for the sizes `cache: auto` admits (GraphDefs < 2 GB).
+    tensors = {name: tf.constant(values) for name, values in columns.items()}
+    ds = tf.data.Dataset.range(n)
+    if shuffle:
+        ds = ds.shuffle(max(n, 1), seed=seed, reshuffle_each_iteration=True)
+    ds = ds.batch(batch_size, drop_remainder=drop_remainder)
+    ds = ds.map(
+        lambda rows: {name: tf.gather(t, rows) for name, t in tensors.items()},
+        num_parallel_calls=tf.data.AUTOTUNE,
+    )
+    return ds.prefetch(tf.data.AUTOTUNE)
+
+
+def load_indices(data_dir: Path, split: str, model: TrainedModel) -> dict[str, np.ndarray]:
+    """A whole split as model inputs {user_index, item_index, item_log_prob[, history_index]}."""
+    parts: dict[str, list[np.ndarray]] = {}
+    for batch in training_dataset(data_dir, split, model, 65536):
+        for name, value in batch.items():
+            parts.setdefault(name, []).append(value.numpy())
+    if not parts:
+        raise StageNotReadyError(f"the {split} split in {data_dir} has no examples")
+    return {name: np.concatenate(chunks) for name, chunks in parts.items()}
+
+
+def in_memory_bytes(examples: int, model: TrainedModel) -> int:
+    """Bytes `in_memory_dataset` holds for `examples` rows (int64 ids, float32 log Q)."""
+    return examples * (8 + 8 + 4 + 8 * model.config.history_length)
+
+
 def history_indices(
     history: tf.RaggedTensor, lookup: tf.keras.layers.StringLookup, length: int
 ) -> tf.Tensor:
@@ -142,6 +189,13 @@ def latest_histories(data_dir: Path, users: list[str], length: int) -> list[list
     user = _decoded([u for p in parts for u in p[schema.USER_ID]])
     item = _decoded([i for p in parts for i in p[schema.ITEM_ID]])
     stamp = np.array([t for p in parts for t in p[schema.TIMESTAMP]], dtype=np.int64)
+    return latest_items(user, item, stamp, users, length)
+
+
+def latest_items(
+    user: np.ndarray, item: np.ndarray, stamp: np.ndarray, users: Sequence[str], length: int
+) -> list[list[str]]:
+    """Per user in `users`: their last `length` items by (timestamp, item id), oldest first."""
     if not len(user):
         return [[] for _ in users]
     order = np.lexsort((item, stamp, user))

@@ -9,6 +9,8 @@ from __future__ import annotations
 import json
 import logging
 import os
+import shutil
+import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -22,9 +24,17 @@ from recsys import schema
 from recsys.config import EvaluationConfig, RecsysConfig, TrainingConfig
 from recsys.errors import ConfigError, OutOfMemoryError
 from recsys.model import ItemFeatures, TrainedModel, TwoTowerModel, read_vocab, warm_start
-from recsys.training.dataset import load_split, training_dataset
+from recsys.training.dataset import (
+    in_memory_bytes,
+    in_memory_dataset,
+    load_split,
+    training_dataset,
+)
 
 log = logging.getLogger(__name__)
+
+AUTO_CACHE_BYTES = 1 << 30
+"""`training.cache: auto` keeps splits in memory up to this size (estimated, see dataset.py)."""
 
 
 @dataclass
@@ -40,6 +50,10 @@ class TrainResult:
     precision: str = "float32"
     best_epoch: int | None = None
     epoch_seconds: list[float] = field(default_factory=list)
+    # Whether this process is the one that writes the run's artefacts (multi-worker: the chief).
+    chief: bool = True
+    jit_compile: bool = False
+    cached: bool = False
 
     @property
     def examples_per_second(self) -> float:
@@ -94,7 +108,12 @@ class ValidationRecall(tf.keras.callbacks.Callback):
     Ranks the whole catalog for every validation user (recsys.evaluation, training items
     removed). With `patience` > 0, stops after that many epochs without improving `metric`
     and at the end puts back the best epoch's tower weights (0: metrics only, last weights).
+    With a `state_dir` (in the BackupAndRestore folder) the best value, epoch, patience count
+    and best weights are written there every epoch, so a killed and resumed run still keeps
+    the best epoch of the whole run, not only of the epochs since the resume.
     """
+
+    STATE = "state.json"
 
     def __init__(
         self,
@@ -103,6 +122,8 @@ class ValidationRecall(tf.keras.callbacks.Callback):
         histories: list[list[bytes]] | None,
         metric: str,
         patience: int,
+        state_dir: Path | None = None,
+        chief: bool = True,
     ) -> None:
         super().__init__()
         self.trained = trained
@@ -116,6 +137,59 @@ class ValidationRecall(tf.keras.callbacks.Callback):
         self.best_epoch: int | None = None
         self.best_weights: list[list[np.ndarray]] | None = None
         self.wait = 0
+        # Only early stopping needs the state; every worker reads the chief's copy.
+        self.state_dir = state_dir if patience else None
+        self.chief = chief
+        self.best_checkpoint: str | None = None  # the resumed run's best weights, on disk
+
+    def _towers(self) -> tf.train.Checkpoint:
+        return tf.train.Checkpoint(
+            query=self.trained.query_tower, candidate=self.trained.candidate_tower
+        )
+
+    def on_train_begin(self, logs: dict[str, float] | None = None) -> None:
+        if self.state_dir is None or not (self.state_dir / self.STATE).is_file():
+            return
+        state = json.loads((self.state_dir / self.STATE).read_text())
+        self.best, self.best_epoch, self.wait = state["best"], state["best_epoch"], state["wait"]
+        self.best_checkpoint = str(self.state_dir / state["weights"])
+        log.info(
+            "resumed early stopping: best %s=%.4f at epoch %d, %d epoch(s) without gain",
+            self.metric,
+            self.best,
+            self.best_epoch + 1,
+            self.wait,
+        )
+
+    def _save_state(self, epoch: int, improved: bool) -> None:
+        """Best weights first (a new prefix per epoch), then the JSON naming them, atomically."""
+        if self.state_dir is None:
+            return
+        target = self.state_dir if self.chief else Path(tempfile.mkdtemp(prefix="es-workertemp-"))
+        target.mkdir(parents=True, exist_ok=True)
+        state_file = self.state_dir / self.STATE
+        previous = json.loads(state_file.read_text()) if state_file.is_file() else None
+        weights = f"best-{self.best_epoch}" if improved or previous is None else None
+        if weights is not None:
+            self._towers().write(str(target / weights / "towers"))
+        else:
+            weights = previous["weights"]
+        state = {
+            "metric": self.metric,
+            "best": self.best,
+            "best_epoch": self.best_epoch,
+            "wait": self.wait,
+            "epoch": epoch,
+            "weights": weights,
+        }
+        (target / (self.STATE + ".tmp")).write_text(json.dumps(state))
+        os.replace(target / (self.STATE + ".tmp"), target / self.STATE)
+        if not self.chief:  # the Keras multi-worker pattern: write everything, keep nothing
+            shutil.rmtree(target, ignore_errors=True)
+            return
+        for old in target.glob("best-*"):
+            if old.name != weights:
+                shutil.rmtree(old, ignore_errors=True)
 
     def score(self) -> float:
         """The metric of the current weights on the validation users."""
@@ -133,20 +207,30 @@ class ValidationRecall(tf.keras.callbacks.Callback):
                 tower.get_weights()
                 for tower in (self.trained.query_tower, self.trained.candidate_tower)
             ]
+            self.best_checkpoint = None
+            self._save_state(epoch, improved=True)
             return
         self.wait += 1
+        self._save_state(epoch, improved=False)
         if self.patience and self.wait >= self.patience:
             log.info("early stopping: no %s gain for %d epochs", self.metric, self.wait)
             self.model.stop_training = True
 
     def on_train_end(self, logs: dict[str, float] | None = None) -> None:
-        if self.best_weights is None or not self.patience:
-            return
-        log.info("keeping epoch %d (val %s=%.4f)", self.best_epoch + 1, self.metric, self.best)
-        for tower, weights in zip(
-            (self.trained.query_tower, self.trained.candidate_tower), self.best_weights, strict=True
-        ):
-            tower.set_weights(weights)
+        if self.patience and self.best_epoch is not None:
+            log.info("keeping epoch %d (val %s=%.4f)", self.best_epoch + 1, self.metric, self.best)
+            if self.best_checkpoint is not None:  # best before the resume: from the backup
+                restored = self._towers().read(self.best_checkpoint + "/towers")
+                restored.assert_existing_objects_matched()
+            elif self.best_weights is not None:
+                for tower, weights in zip(
+                    (self.trained.query_tower, self.trained.candidate_tower),
+                    self.best_weights,
+                    strict=True,
+                ):
+                    tower.set_weights(weights)
+        if self.state_dir is not None and self.chief:  # a finished run starts afresh next time
+            shutil.rmtree(self.state_dir, ignore_errors=True)
 
 
 class BackupEveryStepsAndEpoch(tf.keras.callbacks.BackupAndRestore):
@@ -211,6 +295,34 @@ def tf_config_workers() -> int:
         raise ConfigError(f"TF_CONFIG is not valid JSON with a cluster spec: {exc}") from None
 
 
+def is_chief(strategy: tf.distribute.Strategy | None = None) -> bool:
+    """Whether this process writes the run's artefacts (TF_CONFIG's chief, else worker 0).
+
+    Single-process layouts (no TF_CONFIG, one_device, mirrored) are always the chief. Under
+    MultiWorkerMirroredStrategy every worker trains the same model; only the chief (or worker
+    0 when the cluster names no chief) writes final files, the others write to a temp dir.
+    """
+    if strategy is not None and not isinstance(strategy, tf.distribute.MultiWorkerMirroredStrategy):
+        return True
+    raw = os.environ.get("TF_CONFIG", "")
+    try:
+        spec = json.loads(raw) if raw else {}
+        task = spec.get("task") or {}
+        cluster = spec.get("cluster") or {}
+    except (json.JSONDecodeError, AttributeError) as exc:
+        raise ConfigError(f"TF_CONFIG is not valid JSON with a cluster spec: {exc}") from None
+    task_type, index = task.get("type"), int(task.get("index", 0))
+    if not task_type or task_type == "chief":
+        return True
+    return task_type == "worker" and index == 0 and "chief" not in cluster
+
+
+def write_dir(path: Path, chief: bool) -> Path:
+    """Where this process writes what belongs in `path`: `path` itself on the chief, else a
+    fresh temp dir for the caller to delete (all workers save; only the chief's copy stays)."""
+    return path if chief else Path(tempfile.mkdtemp(prefix=f"{path.name}-workertemp-"))
+
+
 def make_strategy(name: str, gpus: list[tf.config.PhysicalDevice]) -> tf.distribute.Strategy:
     """The device layout: auto picks multi_worker / mirrored / one_device (docs/TRAINING.md)."""
     workers = tf_config_workers()
@@ -234,7 +346,7 @@ def make_strategy(name: str, gpus: list[tf.config.PhysicalDevice]) -> tf.distrib
 
 
 def build_model(
-    config: RecsysConfig, data_dir: Path, precision: str
+    config: RecsysConfig, data_dir: Path, precision: str, jit_compile: bool = False
 ) -> tuple[TrainedModel, TwoTowerModel]:
     """Towers under the precision policy; task, metrics and model in float32 (GOTCHAS)."""
     users = read_vocab(data_dir / "vocab" / "users.txt")
@@ -250,15 +362,28 @@ def build_model(
     finally:
         tf.keras.mixed_precision.set_global_policy("float32")
     model = TwoTowerModel(trained.query_tower, trained.candidate_tower, config.model)
-    model.compile(optimizer=make_optimizer(config.training, precision))
+    model.compile(
+        optimizer=make_optimizer(config.training, precision),
+        jit_compile=jit_compile,
+        steps_per_execution=config.training.steps_per_execution,
+    )
     # Every variable exists once the towers are built; BackupAndRestore needs a built model
     # to restore the optimizer's slots along with the weights.
     model.built = True
     return trained, model
 
 
+def use_jit(setting: str, replicas: int) -> bool:
+    """`training.jit_compile`: auto compiles the step with XLA on one replica only."""
+    return setting == "on" or (setting == "auto" and replicas == 1)
+
+
 def validation_callback(
-    config: RecsysConfig, data_dir: Path, trained: TrainedModel
+    config: RecsysConfig,
+    data_dir: Path,
+    trained: TrainedModel,
+    state_dir: Path | None = None,
+    chief: bool = True,
 ) -> ValidationRecall | None:
     """Exact validation metrics (and early stopping), or None without a validation split."""
     validation = load_split(data_dir, "validation")
@@ -268,15 +393,28 @@ def validation_callback(
     histories = list(validation[schema.HISTORY]) if schema.HISTORY in validation else None
     tc = config.training
     return ValidationRecall(
-        trained, eval_set, histories, tc.early_stopping_metric, tc.early_stopping_patience
+        trained,
+        eval_set,
+        histories,
+        tc.early_stopping_metric,
+        tc.early_stopping_patience,
+        state_dir=state_dir,
+        chief=chief,
     )
 
 
-def train(config: RecsysConfig, data_dir: Path, backup_dir: Path | None = None) -> TrainResult:
+def train(
+    config: RecsysConfig,
+    data_dir: Path,
+    backup_dir: Path | None = None,
+    callbacks: list[tf.keras.callbacks.Callback] | None = None,
+) -> TrainResult:
     """Train towers on data_dir's train split, validating on its validation split.
 
-    `backup_dir` holds resumable checkpoints (tf.keras.callbacks.BackupAndRestore): a run
-    killed mid-training and started again with the same folder continues where it stopped.
+    `backup_dir` holds resumable checkpoints (tf.keras.callbacks.BackupAndRestore) and the
+    early-stopping state: a run killed mid-training and started again with the same folder
+    continues where it stopped, with the best epoch so far. Under several workers only the
+    chief writes there (`TrainResult.chief`).
     """
     tc = config.training
     gpus = configure_gpus(tc.gpu_memory_growth)
@@ -289,28 +427,36 @@ def train(config: RecsysConfig, data_dir: Path, backup_dir: Path | None = None) 
     previous = None
     if tc.warm_start_from:
         previous = TrainedModel.load(Path(tc.warm_start_from))
+    replicas = strategy.num_replicas_in_sync
+    jit = use_jit(tc.jit_compile, replicas)
+    chief = is_chief(strategy)
     with strategy.scope():
-        trained, model = build_model(config, data_dir, precision)
+        trained, model = build_model(config, data_dir, precision, jit)
         if previous is not None:
             copied = warm_start(trained, previous)
             log.info("warm start from %s: rows taken over %s", tc.warm_start_from, copied)
-    replicas = strategy.num_replicas_in_sync
     stats = json.loads((data_dir / "stats.json").read_text())
-    train_ds, val_ds = _datasets(config, data_dir, trained, strategy, stats["splits"])
+    cached = use_cache(tc.cache, stats["splits"], trained, strategy)
+    train_ds, val_ds = _datasets(config, data_dir, trained, strategy, stats["splits"], cached)
     timer = EpochTimer()
-    callbacks: list[tf.keras.callbacks.Callback] = [timer]
+    extra = callbacks or []
+    callbacks = [timer]
+    validator = None
+    if stats["splits"]["validation"]:
+        state_dir = None if backup_dir is None else backup_dir / "early_stopping"
+        validator = validation_callback(config, data_dir, trained, state_dir, chief)
+    # The validator saves its state before the epoch's backup: a kill between the two redoes
+    # the epoch rather than losing its validation result.
+    if validator is not None:
+        callbacks.append(validator)
     if backup_dir is not None:
         callbacks.append(
             BackupEveryStepsAndEpoch(
                 str(backup_dir), save_freq=tc.checkpoint_every_steps or "epoch"
             )
         )
-    validator = (
-        validation_callback(config, data_dir, trained) if stats["splits"]["validation"] else None
-    )
-    if validator is not None:
-        callbacks.append(validator)
     callbacks.append(EpochLogger(tc.epochs))  # last: it logs what the others added
+    callbacks += extra
     start = time.perf_counter()
     try:
         history = model.fit(
@@ -337,7 +483,23 @@ def train(config: RecsysConfig, data_dir: Path, backup_dir: Path | None = None) 
         if validator is None or validator.best_epoch is None or not validator.patience
         else validator.best_epoch + 1,
         epoch_seconds=timer.seconds,
+        chief=chief,
+        jit_compile=jit,
+        cached=cached,
     )
+
+
+def use_cache(
+    setting: str, counts: dict[str, int], trained: TrainedModel, strategy: tf.distribute.Strategy
+) -> bool:
+    """`training.cache`: auto keeps the splits in memory when they are small and one worker
+    trains (several workers each read their shard of the files)."""
+    if setting != "auto":
+        return setting == "memory"
+    if isinstance(strategy, tf.distribute.MultiWorkerMirroredStrategy):
+        return False
+    size = in_memory_bytes(counts["train"] + counts.get("validation", 0), trained)
+    return size <= AUTO_CACHE_BYTES
 
 
 def _datasets(
@@ -346,6 +508,7 @@ def _datasets(
     trained: TrainedModel,
     strategy: tf.distribute.Strategy,
     counts: dict[str, int],
+    cached: bool = False,
 ) -> tuple[tf.data.Dataset, tf.data.Dataset | None]:
     """Train and validation (None when empty) batches with a known number of steps."""
     tc = config.training
@@ -356,23 +519,29 @@ def _datasets(
             f"training.batch_size {tc.batch_size} exceeds the {counts['train']} training "
             f"examples; with {strategy.num_replicas_in_sync} replicas no full batch is left"
         )
-    train = training_dataset(
-        data_dir,
-        "train",
-        trained,
-        tc.batch_size,
-        tc.shuffle_buffer,
-        tc.seed,
-        deterministic=tc.deterministic,
-        drop_remainder=drop,
-    )
+    if cached:
+        train = in_memory_dataset(
+            data_dir, "train", trained, tc.batch_size, True, tc.seed, drop_remainder=drop
+        )
+    else:
+        train = training_dataset(
+            data_dir,
+            "train",
+            trained,
+            tc.batch_size,
+            tc.shuffle_buffer,
+            tc.seed,
+            deterministic=tc.deterministic,
+            drop_remainder=drop,
+        )
     # A known number of steps: BackupAndRestore needs it to resume mid-epoch.
     train = train.apply(
         tf.data.experimental.assert_cardinality(_steps(counts["train"], tc.batch_size, drop))
     )
     val = None
     if _steps(counts["validation"], tc.batch_size, drop):
-        val = training_dataset(data_dir, "validation", trained, tc.batch_size, drop_remainder=drop)
+        read = in_memory_dataset if cached else training_dataset
+        val = read(data_dir, "validation", trained, tc.batch_size, drop_remainder=drop)
         val = val.apply(
             tf.data.experimental.assert_cardinality(
                 _steps(counts["validation"], tc.batch_size, drop)

@@ -1,0 +1,528 @@
+"""`recsys nightly` and `recsys backfill`: every stage for a date, each skipped once done.
+
+preprocess -> train -> evaluate -> export -> publish (MLflow log, register, gate, promote),
+then retention and a Markdown summary. Each stage writes a `_SUCCESS.<stage>` marker into its
+output folder when it finished (layout.mark_stage), keyed to the date and the config:
+
+- preprocess: `data/<date>/_SUCCESS.preprocess`, holding the digest of the data settings;
+- train, evaluate, export, publish: `runs/<date>/<run>/_SUCCESS.<stage>`, where <run> is the
+  date's run folder for this config digest and data fingerprint (`nightly.json` names them).
+
+A rerun after a crash continues at the first unfinished stage (training resumes from its
+BackupAndRestore checkpoint); a rerun after success does nothing and says so. The whole run
+holds the working directory's lock (recsys.lock).
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import errno
+import hashlib
+import json
+import logging
+import shutil
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from recsys import stages
+from recsys.config import RecsysConfig
+from recsys.errors import RecsysError, StageFailedError, StorageError
+from recsys.faults import fault_point
+from recsys.layout import (
+    Workdir,
+    clean_temporaries,
+    is_complete,
+    mark_stage,
+    new_run_id,
+    stage_info,
+)
+from recsys.lock import WorkdirLock
+
+log = logging.getLogger(__name__)
+
+STAGES = ("preprocess", "train", "evaluate", "export", "publish")
+RUN_KEY = "nightly.json"
+SUMMARY = "summary.md"
+CHAMPION_FILE = "champion.json"
+# errno values that mean "the disk, not the program": reported as StorageError (exit 9).
+_STORAGE_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EIO}
+
+
+@dataclass
+class StageOutcome:
+    """One stage of one nightly: ran or skipped (already done), and its recorded duration."""
+
+    name: str
+    status: str
+    seconds: float
+    note: str = ""
+
+
+@dataclass
+class NightlyResult:
+    """What one nightly did (or found already done) for a date."""
+
+    date: dt.date
+    data_dir: Path
+    run_dir: Path
+    stages: list[StageOutcome] = field(default_factory=list)
+    summary_path: Path | None = None
+
+    @property
+    def already_done(self) -> bool:
+        """True when every stage had finished before this invocation."""
+        return all(s.status == "skipped" for s in self.stages)
+
+    def info(self, stage: str) -> dict[str, Any]:
+        """The marker of a finished stage (empty if it did not finish)."""
+        folder = self.data_dir if stage == "preprocess" else self.run_dir
+        return stage_info(folder, stage) or {}
+
+
+def preprocess_digest(config: RecsysConfig) -> str:
+    """What the Beam job's output depends on: the data and preprocess settings (and input)."""
+    payload = {
+        "data": config.data.model_dump(mode="json"),
+        "preprocess": config.preprocess.model_dump(mode="json"),
+    }
+    canonical = json.dumps(payload, sort_keys=True)
+    return hashlib.sha256(canonical.encode()).hexdigest()[:16]
+
+
+def run_nightly(
+    config: RecsysConfig,
+    workdir: Workdir,
+    date: dt.date,
+    *,
+    input_path: str | None = None,
+    force_promote: bool = False,
+    rerun_from: str | None = None,
+    progress: bool = True,
+) -> NightlyResult:
+    """All stages for `date` under the workdir lock; finished stages are skipped."""
+    with WorkdirLock(workdir.root, command=f"recsys nightly --date {date}"):
+        clean_temporaries(workdir.root)
+        return _Nightly(config, workdir, date, input_path, force_promote, progress).run(rerun_from)
+
+
+def backfill(
+    config: RecsysConfig,
+    workdir: Workdir,
+    start: dt.date,
+    end: dt.date,
+    *,
+    input_path: str | None = None,
+    on_date: Callable[[NightlyResult], None] | None = None,
+) -> list[NightlyResult]:
+    """Nightly for each date from start to end, in order; the first failure stops it."""
+    if end < start:
+        from recsys.errors import ConfigError
+
+        raise ConfigError(f"--end {end} is before --start {start}")
+    results = []
+    with WorkdirLock(workdir.root, command=f"recsys backfill --start {start} --end {end}"):
+        day = start
+        while day <= end:
+            log.info("backfill: %s (%d of %d)", day, (day - start).days + 1, (end - start).days + 1)
+            try:
+                result = run_nightly(config, workdir, day, input_path=input_path)
+            except RecsysError as exc:
+                raise type(exc)(f"backfill stopped at {day}: {exc}") from exc
+            results.append(result)
+            if on_date is not None:
+                on_date(result)
+            day += dt.timedelta(days=1)
+    return results
+
+
+class _Nightly:
+    """One date's run: finds what is done, runs the rest, records each stage."""
+
+    def __init__(
+        self,
+        config: RecsysConfig,
+        workdir: Workdir,
+        date: dt.date,
+        input_path: str | None,
+        force_promote: bool,
+        progress: bool,
+    ) -> None:
+        self.config, self.workdir, self.date = config, workdir, date
+        self.input_path, self.force_promote, self.progress = input_path, force_promote, progress
+        self.outcomes: list[StageOutcome] = []
+
+    def run(self, rerun_from: str | None) -> NightlyResult:
+        redo = set(STAGES[STAGES.index(rerun_from) :]) if rerun_from else set()
+        # Of the config as given, not as resolved: the embedded data's generated path depends on
+        # where the workdir is, its content only on data.synthetic.
+        self._pre_digest = preprocess_digest(self.config.with_input(self.input_path))
+        data_dir = self._stage("preprocess", redo, self._preprocess)
+        run_dir = self._run_dir(data_dir, fresh="train" in redo)
+        self.run_dir = run_dir
+        for name, action in (
+            ("train", self._train),
+            ("evaluate", self._evaluate),
+            ("export", self._export),
+            ("publish", self._publish),
+        ):
+            self._stage(name, redo, action)
+        result = NightlyResult(self.date, data_dir, run_dir, self.outcomes)
+        if result.already_done:
+            log.info("nightly %s: every stage was already done; nothing to do", self.date)
+            result.summary_path = run_dir / SUMMARY
+            return result
+        self._retention()
+        result.summary_path = write_summary(result)
+        _log_summary(self.config, self.workdir, result)
+        return result
+
+    # -- stage bookkeeping -------------------------------------------------------------------
+
+    def _folder(self, name: str) -> Path:
+        return self.workdir.data(self.date) if name == "preprocess" else self.run_dir
+
+    def _done(self, name: str) -> dict[str, Any] | None:
+        info = stage_info(self._folder(name), name)
+        if info is None:
+            return None
+        if name == "preprocess":
+            valid = is_complete(self._folder(name)) and info.get("digest") == self._pre_digest
+            return info if valid else None
+        return info
+
+    def _stage(self, name: str, redo: set[str], action: Callable[[], dict[str, Any]]) -> Any:
+        number = STAGES.index(name) + 1
+        done = None if name in redo else self._done(name)
+        if done is not None:
+            log.info(
+                "stage %d/%d %s: already done (%s), skipped",
+                number,
+                len(STAGES),
+                name,
+                done.get("finished"),
+            )
+            self.outcomes.append(StageOutcome(name, "skipped", float(done.get("seconds", 0.0))))
+            return self._folder(name)
+        log.info("stage %d/%d %s: running", number, len(STAGES), name)
+        start = time.perf_counter()
+        try:
+            info = action()
+        except RecsysError:
+            raise
+        except OSError as exc:
+            if exc.errno in _STORAGE_ERRNOS:
+                raise _storage_error(name, exc) from None
+            raise _failed(name, exc) from exc
+        except Exception as exc:
+            storage = _storage_in_message(name, exc)
+            if storage is not None:
+                raise storage from None
+            raise _failed(name, exc) from exc
+        seconds = time.perf_counter() - start
+        folder = self._folder(name)
+        mark_stage(folder, name, {"seconds": round(seconds, 3), **info})
+        log.info("stage %d/%d %s: done in %.1f s", number, len(STAGES), name, seconds)
+        self.outcomes.append(StageOutcome(name, "ran", seconds))
+        return folder
+
+    # -- the stages ----------------------------------------------------------------------------
+
+    def _preprocess(self) -> dict[str, Any]:
+        start = time.perf_counter()
+        _, stats = stages.preprocess(self.config, self.workdir, self.date, self.input_path)
+        seconds = time.perf_counter() - start
+        rows = int(stats.get("input_rows") or 0)
+        log.info(
+            "preprocess: %s rows in %.1f s (%s rows/s): splits %s, rejected %s",
+            f"{rows:,}",
+            seconds,
+            f"{rows / max(seconds, 1e-9):,.0f}",
+            stats.get("splits"),
+            stats.get("rejected"),
+        )
+        return {
+            "digest": self._pre_digest,
+            "fingerprint": stats.get("fingerprint"),
+            "input_rows": stats.get("input_rows"),
+            "rejected": stats.get("rejected"),
+            "splits": stats.get("splits"),
+        }
+
+    def _run_dir(self, data_dir: Path, fresh: bool) -> Path:
+        """This date's run folder for the config and data: the existing one, else a new one."""
+        key = {
+            "config_digest": self.config.digest(),
+            "data_fingerprint": _fingerprint(data_dir),
+        }
+        runs = self.workdir.runs(self.date)
+        if not fresh and runs.is_dir():
+            for candidate in sorted(runs.iterdir(), reverse=True):
+                path = candidate / RUN_KEY
+                if path.is_file() and json.loads(path.read_text()) == key:
+                    return candidate
+        run_dir = self.workdir.run(self.date, new_run_id(self.config.digest()))
+        run_dir.mkdir(parents=True)
+        (run_dir / RUN_KEY).write_text(json.dumps(key, sort_keys=True) + "\n")
+        return run_dir
+
+    def _train(self) -> dict[str, Any]:
+        callbacks = []
+        if self.progress:
+            from recsys.progress import KerasProgress
+
+            callbacks.append(KerasProgress())
+        _, result = stages.train(
+            self.config,
+            self.workdir,
+            self.date,
+            self.workdir.data(self.date),
+            run_dir=self.run_dir,
+            callbacks=callbacks,
+        )
+        self._device = _device(result)
+        return {"best_epoch": result.best_epoch, "examples_per_second": result.examples_per_second}
+
+    def _evaluate(self) -> dict[str, Any]:
+        _, report = stages.evaluate(self.config, self.workdir, self.date, self.run_dir.name)
+        return {"metrics": report["model"]}
+
+    def _export(self) -> dict[str, Any]:
+        exported = stages.export(self.config, self.workdir, self.date, self.run_dir.name, True)
+        return {"version": exported.version}
+
+    def _publish(self) -> dict[str, Any]:
+        from recsys.promotion import publish_run
+
+        fault_point("publish:before")
+        timings = {f"{o.name}_seconds": o.seconds for o in self.outcomes if o.name != "publish"}
+        published = publish_run(
+            self.config,
+            self.workdir,
+            self.date,
+            self.run_dir,
+            timings=timings,
+            device=getattr(self, "_device", None),
+            force_promote=self.force_promote,
+        )
+        try:
+            _record_champion(self.config, self.workdir)
+        except Exception as exc:  # the cache is an optimisation; publishing succeeded
+            log.warning("could not record the champion locally: %s", exc)
+        decision = published.decision
+        return {
+            "mlflow_run_id": published.mlflow_run_id,
+            "registered_version": published.version,
+            "champion_version": published.champion_version,
+            "decision": decision.decision,
+            "promoted": decision.promote,
+            "summary": decision.summary(),
+            "checks": [
+                {
+                    "metric": c.metric,
+                    "delta": c.delta,
+                    "ci_low": c.ci_low,
+                    "ci_high": c.ci_high,
+                    "passed": c.passed,
+                }
+                for c in ([decision.primary] if decision.primary else []) + decision.guardrails
+            ],
+        }
+
+    def _retention(self) -> None:
+        keep = self.config.nightly.keep_days
+        if keep:
+            removed = apply_retention(self.workdir, keep)
+            if removed:
+                log.info("retention: removed %s", ", ".join(str(p) for p in removed))
+
+
+def _fingerprint(data_dir: Path) -> str | None:
+    return json.loads((data_dir / "stats.json").read_text()).get("fingerprint")
+
+
+def _device(trained: Any) -> dict[str, str]:
+    from recsys.promotion import device_layout
+
+    return device_layout(trained)
+
+
+def _failed(stage: str, exc: BaseException) -> StageFailedError:
+    log.error("stage %s failed", stage, exc_info=exc)
+    first = str(exc).splitlines()[0][:300] if str(exc) else ""
+    return StageFailedError(
+        f"stage {stage} failed: {type(exc).__name__}: {first} (traceback in the log above); "
+        "rerun the same command to continue from this stage"
+    )
+
+
+def _storage_error(stage: str, exc: OSError) -> StorageError:
+    where = f" writing {exc.filename}" if exc.filename else ""
+    return StorageError(
+        f"stage {stage}: {exc.strerror or exc}{where}; free space (or fix the volume) and rerun "
+        "the same command: finished stages are skipped and the serving exports are unchanged"
+    )
+
+
+def _storage_in_message(stage: str, exc: Exception) -> StorageError | None:
+    """TensorFlow reports a full disk as its own error types; recognise them by message."""
+    text = str(exc)
+    for code in _STORAGE_ERRNOS:
+        if errno.errorcode.get(code, "?") in text or (text and _strerror(code) in text):
+            return _storage_error(stage, OSError(code, _strerror(code)))
+    return None
+
+
+def _strerror(code: int) -> str:
+    import os
+
+    return os.strerror(code)
+
+
+# -- champion record and retention --------------------------------------------------------------
+
+
+def _record_champion(config: RecsysConfig, workdir: Workdir) -> None:
+    """Cache the champion's run folder, data folder and export version in the workdir.
+
+    Retention reads it to never delete what the served model needs, even if the tracking
+    server is unreachable on a later night.
+    """
+    from recsys import registry
+    from recsys.tracking import connect
+
+    client = connect(config, workdir.root)
+    champion = registry.alias_version(client, config.model_name, registry.CHAMPION)
+    if champion is None:
+        return
+    tags = client.get_run(champion.run_id).data.tags
+    record = {
+        "model_name": config.model_name,
+        "registered_version": str(champion.version),
+        "run_dir": tags.get("run_dir"),
+        "data_dir": tags.get("data_dir"),
+        "export_version": tags.get("model_version"),
+        "run_date": tags.get("run_date"),
+    }
+    path = workdir.root / CHAMPION_FILE
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(record, indent=2, sort_keys=True) + "\n")
+    tmp.replace(path)
+
+
+def champion_record(workdir: Workdir) -> dict[str, Any]:
+    """The cached champion record (empty if no champion was ever recorded here)."""
+    path = workdir.root / CHAMPION_FILE
+    return json.loads(path.read_text()) if path.is_file() else {}
+
+
+def apply_retention(workdir: Workdir, keep_days: int) -> list[Path]:
+    """Delete data/ and runs/ of all but the newest `keep_days` dates, never the champion's."""
+    champion = champion_record(workdir)
+    protected = {
+        Path(p).resolve() for p in (champion.get("run_dir"), champion.get("data_dir")) if p
+    }
+    removed: list[Path] = []
+    for parent in (workdir.root / "data", workdir.root / "runs"):
+        if not parent.is_dir():
+            continue
+        dates = sorted(p for p in parent.iterdir() if p.is_dir() and _is_date(p.name))
+        for folder in dates[: max(len(dates) - keep_days, 0)]:
+            removed += _remove_unprotected(folder, protected)
+    return removed
+
+
+def _remove_unprotected(folder: Path, protected: set[Path]) -> list[Path]:
+    resolved = folder.resolve()
+    if resolved in protected:
+        return []
+    inside = [p for p in protected if resolved in p.parents]
+    if not inside:
+        shutil.rmtree(folder)
+        return [folder]
+    # A date folder holding the champion's run: remove its other runs only.
+    removed = []
+    for child in folder.iterdir():
+        if child.resolve() not in protected and not any(
+            child.resolve() in p.parents for p in inside
+        ):
+            shutil.rmtree(child) if child.is_dir() else child.unlink()
+            removed.append(child)
+    return removed
+
+
+def _is_date(name: str) -> bool:
+    try:
+        dt.date.fromisoformat(name)
+    except ValueError:
+        return False
+    return True
+
+
+# -- summary -------------------------------------------------------------------------------------
+
+
+def write_summary(result: NightlyResult) -> Path:
+    """The run's Markdown summary: stages and timings, counts, metrics, gate decision."""
+    pre, ev = result.info("preprocess"), result.info("evaluate")
+    exp, pub = result.info("export"), result.info("publish")
+    lines = [f"# recsys nightly {result.date}", "", f"Run folder: `{result.run_dir}`", ""]
+    lines += ["| stage | status | seconds |", "|---|---|---|"]
+    lines += [f"| {s.name} | {s.status} | {s.seconds:.1f} |" for s in result.stages]
+    splits = pre.get("splits") or {}
+    lines += [
+        "",
+        "## Data",
+        f"Input rows {pre.get('input_rows')}, rejected {pre.get('rejected')}; "
+        + ", ".join(f"{k} {v}" for k, v in splits.items()),
+        "",
+    ]
+    lines += _metrics_table(result.run_dir, ev.get("metrics") or {})
+    lines += [
+        "",
+        "## Gate and export",
+        f"- Decision: {pub.get('summary', 'not published')}",
+        f"- Registered version {pub.get('registered_version')}; champion now "
+        f"{pub.get('champion_version')}; MLflow run `{pub.get('mlflow_run_id')}`",
+        f"- Export version {exp.get('version')}",
+        "",
+    ]
+    path = result.run_dir / SUMMARY
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text("\n".join(lines))
+    tmp.replace(path)
+    return path
+
+
+def _metrics_table(run_dir: Path, metrics: dict[str, float]) -> list[str]:
+    """Test metrics next to the baselines measured under the same protocol (metrics.json)."""
+    report_path = run_dir / "metrics.json"
+    report = json.loads(report_path.read_text()) if report_path.is_file() else {}
+    baselines = report.get("baselines", {})
+    users = int(metrics.get("eval_users", 0))
+    lines = [
+        f"## Test metrics ({users} users; {report.get('protocol', 'see docs/ARCHITECTURE.md')})",
+        "",
+        "| metric | model | " + " | ".join(baselines) + " |",
+        "|---|---|" + "---|" * len(baselines),
+    ]
+    for name, value in metrics.items():
+        if name == "eval_users":
+            continue
+        others = " | ".join(f"{b.get(name, float('nan')):.4f}" for b in baselines.values())
+        lines.append(f"| {name} | {value:.4f} | {others} |")
+    return lines
+
+
+def _log_summary(config: RecsysConfig, workdir: Workdir, result: NightlyResult) -> None:
+    run_id = result.info("publish").get("mlflow_run_id")
+    if not run_id or result.summary_path is None:
+        return
+    from recsys.tracking import connect, log_file_redacted
+
+    try:
+        log_file_redacted(connect(config, workdir.root), run_id, result.summary_path)
+    except Exception as exc:  # the summary is in the run folder either way
+        log.warning("could not log %s to MLflow: %s", result.summary_path.name, exc)

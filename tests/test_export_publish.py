@@ -1,0 +1,247 @@
+"""The export stage end to end: staging, atomic publish, models.config, retention."""
+
+from __future__ import annotations
+
+import datetime as dt
+import os
+import shutil
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+from types import SimpleNamespace
+
+import numpy as np
+import pyarrow.parquet as pq
+import pytest
+import yaml
+from google.protobuf import text_format
+from tensorflow_serving.config import model_server_config_pb2
+
+from recsys import stages
+from recsys.config import ExportConfig, RecsysConfig
+from recsys.layout import Workdir
+from serving_export import savedmodels
+from serving_export.manifest import load_embeddings
+from serving_export.publish import finish_publish, prune_versions, versions
+from serving_export.savedmodels import MODEL_NAMES
+from serving_export.serving_config import (
+    MODELS_CONFIG,
+    read_version_labels,
+    set_version_labels,
+    write_models_config,
+)
+from tests.conftest import SMALL_DATE
+
+DATE = dt.date.fromisoformat(SMALL_DATE)
+REPO = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture(scope="module")
+def trained(prepared: tuple[RecsysConfig, Workdir, Path]) -> tuple[RecsysConfig, Workdir, Path]:
+    """SMALL preprocessed and trained once for the module: (config, workdir, run_dir)."""
+    config, workdir, data_dir = prepared
+    run_dir, _ = stages.train(config, workdir, DATE, data_dir)
+    return config, workdir, run_dir
+
+
+@pytest.fixture(scope="module")
+def exported(trained: tuple[RecsysConfig, Workdir, Path]) -> stages.ExportResult:
+    config, workdir, run_dir = trained
+    return stages.export(config, workdir, DATE, run_dir.name, verify=False)
+
+
+def visible(workdir: Workdir) -> dict[str, list[int]]:
+    """What TF Serving and index builders would see: integer version folders per base."""
+    bases = {name: workdir.export(name) for name in MODEL_NAMES}
+    bases["embeddings"] = workdir.root / "embeddings"
+    return {name: versions(base) for name, base in bases.items()}
+
+
+def staging_dirs(workdir: Workdir) -> list[Path]:
+    return sorted((workdir.root / "export").glob(".staging-*"))
+
+
+def test_export_publishes_models_embeddings_manifest_and_config(
+    exported: stages.ExportResult, trained: tuple[RecsysConfig, Workdir, Path]
+) -> None:
+    import tensorflow as tf
+
+    _, workdir, run_dir = trained
+    version = exported.version
+    assert {name: [version] for name in [*MODEL_NAMES, "embeddings"]} == visible(workdir)
+    assert staging_dirs(workdir) == []
+    items = load_embeddings(workdir.embeddings(version), "items")
+    users = load_embeddings(workdir.embeddings(version), "users")
+    manifest = items.manifest
+    assert manifest["model_version"] == version and manifest["similarity"] == "dot"
+    query_dir = workdir.export("query") / str(version)
+    fingerprint = tf.saved_model.experimental.read_fingerprint(str(query_dir))
+    assert manifest["models"]["query"]["saved_model_checksum"] == str(
+        fingerprint.saved_model_checksum
+    )
+    assert manifest["ann"] is None  # brute force is the default
+    # Extra columns: popularity is the training count the model's logQ used.
+    features = pq.read_table(stages.run_data_dir(run_dir) / "item_features.parquet").to_pydict()
+    counts = dict(zip(features["item_id"], features["train_count"], strict=True))
+    assert items.columns["popularity"] == [counts[i] for i in items.ids]
+    assert all(n > 0 for n in users.columns["interactions"])
+    assert all(t is not None for t in users.columns["last_seen"] + items.columns["last_seen"])
+    config_text = (workdir.root / "export" / MODELS_CONFIG).read_text()
+    parsed = text_format.Parse(config_text, model_server_config_pb2.ModelServerConfig())
+    assert sorted(c.name for c in parsed.model_config_list.config) == sorted(MODEL_NAMES)
+    assert read_version_labels(workdir.root / "export") == {}
+    assert Path(exported.models["retrieval"]) == workdir.export("retrieval") / str(version)
+
+
+def test_users_parquet_uses_the_latest_histories(
+    exported: stages.ExportResult, trained: tuple[RecsysConfig, Workdir, Path]
+) -> None:
+    from recsys.model import TrainedModel
+    from recsys.training.dataset import latest_histories
+    from serving_export.activity import read_activity
+
+    _, workdir, run_dir = trained
+    model = TrainedModel.load(run_dir / "model")
+    data_dir = stages.run_data_dir(run_dir)
+    length = model.config.history_length
+    activity = read_activity(data_dir, model.users, model.items, length)
+    assert activity.histories == latest_histories(data_dir, model.users, length)
+    users = load_embeddings(workdir.embeddings(exported.version), "users")
+    expected = model.user_embeddings(model.users, activity.histories)
+    np.testing.assert_allclose(users.vectors, expected, atol=1e-6)
+
+
+def test_exception_after_the_first_model_is_staged_publishes_nothing(
+    exported: stages.ExportResult,
+    trained: tuple[RecsysConfig, Workdir, Path],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    config, workdir, run_dir = trained
+    before = visible(workdir)
+    config_before = (workdir.root / "export" / MODELS_CONFIG).read_text()
+    real_publish = savedmodels._publish
+    staged: list[Path] = []
+
+    def publish_once_then_fail(module: object, target: Path, extra: object) -> Path:
+        if staged:
+            raise OSError("disk full")  # the second model fails after the first was staged
+        staged.append(real_publish(module, target, extra))
+        return staged[-1]
+
+    monkeypatch.setattr(savedmodels, "_publish", publish_once_then_fail)
+    with pytest.raises(OSError, match="disk full"):
+        stages.export(config, workdir, DATE, run_dir.name, verify=False)
+    assert len(staged) == 1 and not staged[0].exists()  # staged, then removed with the staging
+    assert visible(workdir) == before
+    assert staging_dirs(workdir) == []
+    assert (workdir.root / "export" / MODELS_CONFIG).read_text() == config_before
+
+
+def test_a_killed_export_leaves_no_visible_version(
+    exported: stages.ExportResult, trained: tuple[RecsysConfig, Workdir, Path], tmp_path: Path
+) -> None:
+    """SIGKILL (an OOM kill) after all three SavedModels are staged, before any rename."""
+    config, workdir, run_dir = trained
+    before = visible(workdir)
+    (tmp_path / "config.yaml").write_text(yaml.safe_dump(config.model_dump(mode="json")))
+    child = textwrap.dedent(f"""
+        import os, signal
+        import recsys
+        from pathlib import Path
+        from recsys import stages
+        from recsys.config import load_config
+        from recsys.layout import Workdir
+        import serving_export.publish as publish
+
+        def killed(*args, **kwargs):
+            os.kill(os.getpid(), signal.SIGKILL)
+
+        publish.stage_embeddings = killed
+        stages.export(load_config({str(tmp_path / "config.yaml")!r}),
+                      Workdir(Path({str(workdir.root)!r})),
+                      __import__("datetime").date.fromisoformat({SMALL_DATE!r}),
+                      {run_dir.name!r}, verify=False)
+    """)
+    env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "3", "CUDA_VISIBLE_DEVICES": ""}
+    proc = subprocess.run(
+        [sys.executable, "-c", child], cwd=REPO, env=env, capture_output=True, timeout=600
+    )
+    assert proc.returncode == -9, proc.stderr.decode()[-2000:]
+    assert visible(workdir) == before
+    leftovers = staging_dirs(workdir)
+    assert len(leftovers) == 1 and not leftovers[0].name.isdigit()  # TF Serving ignores it
+    assert versions(leftovers[0] / "query") == [exported.version]  # it died after staging
+    shutil.rmtree(leftovers[0])  # what recsys.layout.clean_temporaries does under the lock
+
+
+def test_prune_keeps_the_newest_and_never_a_protected_version(tmp_path: Path) -> None:
+    for version in range(1, 8):
+        (tmp_path / str(version)).mkdir()
+    (tmp_path / ".staging-9-abc").mkdir()
+    assert prune_versions(tmp_path, keep=2, protect=[2]) == [1, 3, 4, 5]
+    assert versions(tmp_path) == [2, 6, 7]
+    assert (tmp_path / ".staging-9-abc").is_dir()  # not a version: not ours to prune
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".staging-9-abc", "2", "6", "7"]
+    assert prune_versions(tmp_path, keep=5) == []
+    assert prune_versions(tmp_path / "missing", keep=1) == []
+    with pytest.raises(ValueError):
+        prune_versions(tmp_path, keep=0)
+
+
+def test_finish_publish_protects_the_labelled_versions(tmp_path: Path) -> None:
+    export_root, emb_root = tmp_path / "export", tmp_path / "embeddings"
+    for version in range(1, 6):
+        for base in [*(export_root / n for n in MODEL_NAMES), emb_root]:
+            (base / str(version)).mkdir(parents=True)
+    write_models_config(export_root, MODEL_NAMES, {"champion": 1, "challenger": 4})
+    result = finish_publish(export_root, emb_root, MODEL_NAMES, 5, ExportConfig(keep_versions=1))
+    assert result["labels"] == {"champion": 1, "challenger": 4}
+    assert all(v == [2, 3] for v in result["pruned"].values())
+    assert versions(export_root / "query") == [1, 4, 5] and versions(emb_root) == [1, 4, 5]
+
+
+def test_models_config_is_a_tf_serving_model_config_list(tmp_path: Path) -> None:
+    for name in MODEL_NAMES:
+        for version in (3, 4):
+            (tmp_path / name / str(version)).mkdir(parents=True)
+    path = write_models_config(
+        tmp_path, MODEL_NAMES, {"champion": 3, "challenger": 4, "stale": 1}, base_path="/models/"
+    )
+    parsed = text_format.Parse(path.read_text(), model_server_config_pb2.ModelServerConfig())
+    configs = {c.name: c for c in parsed.model_config_list.config}
+    assert sorted(configs) == sorted(MODEL_NAMES)
+    retrieval = configs["retrieval"]
+    assert retrieval.base_path == "/models/retrieval" and retrieval.model_platform == "tensorflow"
+    # A label may only name a loaded version: exactly the labelled ones are served.
+    assert list(retrieval.model_version_policy.specific.versions) == [3, 4]
+    assert dict(retrieval.version_labels) == {"champion": 3, "challenger": 4}  # 1: not on disk
+    assert [p.name for p in tmp_path.iterdir() if p.is_file()] == [MODELS_CONFIG]
+    # No labels yet: TF Serving's default policy (latest version), local absolute base paths.
+    set_version_labels(tmp_path, {})
+    parsed = text_format.Parse(path.read_text(), model_server_config_pb2.ModelServerConfig())
+    query = {c.name: c for c in parsed.model_config_list.config}["query"]
+    assert query.base_path == str(tmp_path / "query") and not query.HasField("model_version_policy")
+    assert set_version_labels(tmp_path / "nothing-here", {"champion": 1}) is None
+
+
+def test_promotion_points_the_labels_at_the_registry_versions(
+    tmp_path: Path, small_config: RecsysConfig, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The hook in recsys.promotion: registry alias -> run tag model_version -> label."""
+    from recsys import promotion, registry
+
+    for name in MODEL_NAMES:
+        for version in (1, 2):
+            (tmp_path / "export" / name / str(version)).mkdir(parents=True)
+    aliases = {"champion": SimpleNamespace(run_id="r1"), "challenger": SimpleNamespace(run_id="r2")}
+    tags = {"r1": {"model_version": "1"}, "r2": {"model_version": "2"}}
+    monkeypatch.setattr(registry, "alias_version", lambda client, name, alias: aliases.get(alias))
+    client = SimpleNamespace(
+        get_run=lambda run_id: SimpleNamespace(data=SimpleNamespace(tags=tags[run_id]))
+    )
+    promotion._route_serving(client, small_config, Workdir(tmp_path), "m")
+    assert read_version_labels(tmp_path / "export") == {"champion": 1, "challenger": 2}
+    aliases["champion"] = aliases["challenger"]  # the challenger was promoted
+    promotion._route_serving(client, small_config, Workdir(tmp_path), "m")
+    assert read_version_labels(tmp_path / "export") == {"champion": 2, "challenger": 2}

@@ -1,0 +1,222 @@
+"""Nightly operations without training: the lock, retention, progress, summary, dates, CLI codes."""
+
+from __future__ import annotations
+
+import datetime as dt
+import io
+import json
+import os
+import socket
+import subprocess
+import sys
+import textwrap
+from collections.abc import Iterator
+from pathlib import Path
+from zoneinfo import ZoneInfo
+
+import pytest
+
+from recsys.errors import ConfigError, WorkdirLockedError
+from recsys.layout import Workdir, clean_temporaries, mark_stage, parse_date, stage_info
+from recsys.lock import LOCK_FILE, WorkdirLock
+from recsys.nightly import (
+    CHAMPION_FILE,
+    NightlyResult,
+    StageOutcome,
+    apply_retention,
+    backfill,
+    write_summary,
+)
+from recsys.progress import Progress
+
+_HOLD = textwrap.dedent(
+    """
+    import sys, time
+    from pathlib import Path
+    from recsys.lock import WorkdirLock
+    with WorkdirLock(Path(sys.argv[1]), command="holder-under-test"):
+        print("held", flush=True)
+        time.sleep(60)
+    """
+)
+
+
+@pytest.fixture
+def held_lock(tmp_path: Path) -> Iterator[subprocess.Popen[str]]:
+    """Another process holding tmp_path's lock (killed at teardown)."""
+    proc = subprocess.Popen(
+        [sys.executable, "-c", _HOLD, str(tmp_path)], stdout=subprocess.PIPE, text=True
+    )
+    assert proc.stdout is not None and proc.stdout.readline().strip() == "held"
+    yield proc
+    proc.kill()
+    proc.wait()
+
+
+def test_a_held_lock_names_its_holder(tmp_path: Path, held_lock: subprocess.Popen[str]) -> None:
+    with pytest.raises(WorkdirLockedError) as info:
+        WorkdirLock(tmp_path).acquire()
+    message = str(info.value)
+    assert f"pid {held_lock.pid}" in message
+    assert socket.gethostname() in message and "holder-under-test" in message
+    assert info.value.exit_code == 8
+
+
+def test_a_second_cli_command_exits_at_once_with_code_8(
+    tmp_path: Path, held_lock: subprocess.Popen[str]
+) -> None:
+    proc = subprocess.run(
+        [sys.executable, "-m", "recsys.cli", "preprocess", "--workdir", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 8, proc.stderr
+    lines = [line for line in proc.stderr.splitlines() if line.startswith("recsys: error")]
+    assert len(lines) == 1 and f"pid {held_lock.pid}" in lines[0]
+    assert "Traceback" not in proc.stderr
+
+
+def test_a_dead_holders_lock_is_taken_over(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    proc = subprocess.Popen(
+        [sys.executable, "-c", _HOLD, str(tmp_path)], stdout=subprocess.PIPE, text=True
+    )
+    assert proc.stdout is not None and proc.stdout.readline().strip() == "held"
+    proc.kill()  # SIGKILL: no cleanup ran, the lock file still names the dead holder
+    proc.wait()
+    assert f'"pid": {proc.pid}' in (tmp_path / LOCK_FILE).read_text()
+    with caplog.at_level("WARNING"), WorkdirLock(tmp_path, command="new-holder"):
+        holder = json.loads((tmp_path / LOCK_FILE).read_text())
+        assert holder["pid"] == os.getpid() and holder["command"] == "new-holder"
+    assert f"pid {proc.pid}" in caplog.text and "gone" in caplog.text
+
+
+def test_the_lock_is_reentrant_within_a_process(tmp_path: Path) -> None:
+    with WorkdirLock(tmp_path), WorkdirLock(tmp_path):  # backfill -> nightly
+        pass
+    with WorkdirLock(tmp_path):  # released: can be taken again
+        pass
+
+
+def _dated(root: Path, kind: str, date: str, *names: str) -> Path:
+    folder = root / kind / date
+    folder.mkdir(parents=True)
+    for name in names:
+        (folder / name).mkdir()
+    return folder
+
+
+def test_retention_keeps_the_newest_days_and_the_champions(tmp_path: Path) -> None:
+    dates = [f"2026-01-0{d}" for d in range(1, 6)]
+    for date in dates:
+        _dated(tmp_path, "data", date)
+        _dated(tmp_path, "runs", date, "run-a", "run-b")
+    champion = tmp_path / "runs" / dates[0] / "run-b"
+    record = {"run_dir": str(champion), "data_dir": str(tmp_path / "data" / dates[0])}
+    (tmp_path / CHAMPION_FILE).write_text(json.dumps(record))
+
+    removed = apply_retention(Workdir(tmp_path), keep_days=2)
+
+    assert sorted(p.name for p in (tmp_path / "data").iterdir()) == [dates[0], *dates[3:]]
+    assert sorted(p.name for p in (tmp_path / "runs").iterdir()) == [dates[0], *dates[3:]]
+    assert [p.name for p in (tmp_path / "runs" / dates[0]).iterdir()] == ["run-b"]
+    assert tmp_path / "runs" / dates[0] / "run-a" in removed
+    assert not any(p.name.startswith("2026-01-0") and p.name in dates[3:] for p in removed)
+
+
+def test_retention_never_touches_non_date_folders(tmp_path: Path) -> None:
+    _dated(tmp_path, "runs", "2026-01-01")
+    _dated(tmp_path, "runs", "notes")
+    apply_retention(Workdir(tmp_path), keep_days=1)
+    assert (tmp_path / "runs" / "notes").is_dir()
+
+
+def test_temporaries_of_killed_writers_are_removed(tmp_path: Path) -> None:
+    leftovers = [
+        tmp_path / "data" / ".tmp-2026-01-05-0a1b2c3d",
+        tmp_path / "export" / ".staging-3-0a1b2c3d",
+        tmp_path / "export" / "query" / ".old-2-0a1b2c3d",
+    ]
+    kept = [tmp_path / "data" / "2026-01-05", tmp_path / "runs" / "2026-01-05" / ".backup-abc"]
+    for path in leftovers + kept:
+        path.mkdir(parents=True)
+    assert sorted(clean_temporaries(tmp_path)) == sorted(leftovers)
+    assert all(p.is_dir() for p in kept)
+
+
+class _Terminal(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+def test_progress_plain_lines_have_counts_and_eta() -> None:
+    stream = io.StringIO()
+    progress = Progress("train", 100, "steps", stream=stream, interval=3600)
+    for done in range(1, 101):
+        progress.update(done)
+    progress.finish("3 epochs")
+    lines = stream.getvalue().splitlines()
+    # One line per quarter, then the final line: short cron logs (no ETA from the first
+    # steps, which include tracing).
+    assert 4 <= len(lines) <= 6
+    assert "train: 25/100 steps (25%)" in lines[0] and "ETA" in lines[0]
+    assert "\r" not in stream.getvalue()
+    assert lines[-1].split(" ", 1)[1].startswith("train: 100/100 steps (100%)")
+    assert lines[-1].endswith("; 3 epochs")
+
+
+def test_progress_on_a_terminal_redraws_one_line() -> None:
+    stream = _Terminal()
+    progress = Progress("evaluate", None, "users", stream=stream)
+    progress.update(10)
+    progress.finish()
+    text = stream.getvalue()
+    assert text.startswith("\r\033[K") and "evaluate: 10 users" in text
+    assert text.count("\n") == 1
+
+
+def test_default_date_is_yesterday_in_the_configured_zone() -> None:
+    for zone in ("UTC", "Pacific/Kiritimati", "Pacific/Pago_Pago"):
+        expected = (dt.datetime.now(ZoneInfo(zone)) - dt.timedelta(days=1)).date()
+        assert parse_date(None, zone) == expected
+    with pytest.raises(ConfigError, match="YYYY-MM-DD"):
+        parse_date("05/01/2026")
+
+
+def test_stage_markers_are_written_whole(tmp_path: Path) -> None:
+    assert stage_info(tmp_path, "train") is None
+    mark_stage(tmp_path, "train", {"seconds": 1.5})
+    info = stage_info(tmp_path, "train")
+    assert info is not None and info["seconds"] == 1.5 and "finished" in info
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["_SUCCESS.train"]
+
+
+def test_summary_lists_stages_counts_metrics_and_decision(tmp_path: Path) -> None:
+    data, run = tmp_path / "data", tmp_path / "run"
+    data.mkdir()
+    run.mkdir()
+    mark_stage(data, "preprocess", {"input_rows": 1000, "rejected": 3, "splits": {"train": 900}})
+    mark_stage(run, "evaluate", {"metrics": {"recall_at_10": 0.25}})
+    mark_stage(run, "export", {"version": 4})
+    mark_stage(
+        run,
+        "publish",
+        {"summary": "gate: KEEP: no gain", "registered_version": "4", "mlflow_run_id": "abc"},
+    )
+    outcomes = [StageOutcome("preprocess", "skipped", 3.0), StageOutcome("train", "ran", 12.5)]
+    path = write_summary(NightlyResult(dt.date(2026, 1, 5), data, run, outcomes))
+    text = path.read_text()
+    assert text.startswith("# recsys nightly 2026-01-05")
+    assert "| preprocess | skipped | 3.0 |" in text and "| train | ran | 12.5 |" in text
+    assert "Input rows 1000, rejected 3; train 900" in text
+    assert "| recall_at_10 | 0.2500 |" in text
+    assert "gate: KEEP: no gain" in text and "Export version 4" in text
+
+
+def test_backfill_refuses_an_inverted_range(tmp_path: Path) -> None:
+    from recsys.config import parse_config
+
+    with pytest.raises(ConfigError, match="before --start"):
+        backfill(parse_config({}), Workdir(tmp_path), dt.date(2026, 1, 5), dt.date(2026, 1, 4))
