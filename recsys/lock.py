@@ -16,6 +16,7 @@ import logging
 import os
 import socket
 import sys
+import time
 from pathlib import Path
 from types import TracebackType
 from typing import Any
@@ -66,6 +67,11 @@ class WorkdirLock:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             holder = _read_holder(fd)
+            # The holder writes its record just after taking the lock: give it a moment.
+            deadline = time.monotonic() + 2.0
+            while not holder and time.monotonic() < deadline:
+                time.sleep(0.05)
+                holder = _read_holder(fd)
             os.close(fd)
             raise WorkdirLockedError(
                 f"{self.path.parent} is in use by {describe(holder)}; "

@@ -220,3 +220,25 @@ def test_backfill_refuses_an_inverted_range(tmp_path: Path) -> None:
 
     with pytest.raises(ConfigError, match="before --start"):
         backfill(parse_config({}), Workdir(tmp_path), dt.date(2026, 1, 5), dt.date(2026, 1, 4))
+
+
+def test_a_holder_still_writing_its_record_is_named(tmp_path: Path) -> None:
+    import fcntl
+    import threading
+    import time
+
+    fd = os.open(tmp_path / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o644)
+    fcntl.flock(fd, fcntl.LOCK_EX)  # locked, record not written yet: the race two starts hit
+
+    def write_record() -> None:
+        time.sleep(0.3)
+        os.pwrite(fd, json.dumps({"pid": 4242, "host": "h", "command": "c"}).encode(), 0)
+
+    writer = threading.Thread(target=write_record)
+    writer.start()
+    try:
+        with pytest.raises(WorkdirLockedError, match="pid 4242 on h"):
+            WorkdirLock(tmp_path).acquire()
+    finally:
+        writer.join()
+        os.close(fd)
