@@ -20,6 +20,7 @@ import errno
 import hashlib
 import json
 import logging
+import os
 import shutil
 import time
 from collections.abc import Callable
@@ -153,6 +154,8 @@ class _Nightly:
         self.config, self.workdir, self.date = config, workdir, date
         self.input_path, self.force_promote, self.progress = input_path, force_promote, progress
         self.outcomes: list[StageOutcome] = []
+        # Set when training runs in this invocation; else publish reads train.json.
+        self._device: dict[str, str] | None = None
 
     def run(self, rerun_from: str | None) -> NightlyResult:
         redo = set(STAGES[STAGES.index(rerun_from) :]) if rerun_from else set()
@@ -282,7 +285,9 @@ class _Nightly:
             run_dir=self.run_dir,
             callbacks=callbacks,
         )
-        self._device = _device(result)
+        from recsys.promotion import device_layout
+
+        self._device = device_layout(result)
         return {"best_epoch": result.best_epoch, "examples_per_second": result.examples_per_second}
 
     def _evaluate(self) -> dict[str, Any]:
@@ -304,7 +309,7 @@ class _Nightly:
             self.date,
             self.run_dir,
             timings=timings,
-            device=getattr(self, "_device", None),
+            device=self._device,
             force_promote=self.force_promote,
         )
         try:
@@ -343,12 +348,6 @@ def _fingerprint(data_dir: Path) -> str | None:
     return json.loads((data_dir / "stats.json").read_text()).get("fingerprint")
 
 
-def _device(trained: Any) -> dict[str, str]:
-    from recsys.promotion import device_layout
-
-    return device_layout(trained)
-
-
 def _failed(stage: str, exc: BaseException) -> StageFailedError:
     log.error("stage %s failed", stage, exc_info=exc)
     first = str(exc).splitlines()[0][:300] if str(exc) else ""
@@ -370,15 +369,9 @@ def _storage_in_message(stage: str, exc: Exception) -> StorageError | None:
     """TensorFlow reports a full disk as its own error types; recognise them by message."""
     text = str(exc)
     for code in _STORAGE_ERRNOS:
-        if errno.errorcode.get(code, "?") in text or (text and _strerror(code) in text):
-            return _storage_error(stage, OSError(code, _strerror(code)))
+        if errno.errorcode.get(code, "?") in text or (text and os.strerror(code) in text):
+            return _storage_error(stage, OSError(code, os.strerror(code)))
     return None
-
-
-def _strerror(code: int) -> str:
-    import os
-
-    return os.strerror(code)
 
 
 # -- champion record and retention --------------------------------------------------------------

@@ -28,7 +28,11 @@ FAST = settings(max_examples=15, deadline=None,
 
 # Field text without the characters that would merge or split physical lines.
 field = st.one_of(
-    st.text(alphabet=st.characters(blacklist_characters='\r\n"'), max_size=12),
+    # No lone surrogates: a UTF-8 file cannot hold them (odd bytes are tested separately).
+    st.text(
+        alphabet=st.characters(blacklist_characters='\r\n"', blacklist_categories=("Cs",)),
+        max_size=12,
+    ),
     st.integers(-(2**70), 2**70).map(str),
     st.sampled_from(["", " ", "nan", "inf", "1e400", "2026-01-04T10:00:00Z", "\ufeff", "\x00"]),
 )
