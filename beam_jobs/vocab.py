@@ -17,6 +17,7 @@ from apache_beam.typehints import no_annotations
 
 from beam_jobs import columnar as col
 from beam_jobs.split import COUNT, COUNTS_SCHEMA, ID, sum_counts
+from recsys.schema import GENRES, TITLE
 
 VOCAB_DIR = "vocab"
 USERS_FILE = "users.txt"
@@ -28,8 +29,8 @@ ITEM_FEATURES_SCHEMA = pa.schema(
     [
         ("item_id", pa.string()),
         ("train_count", pa.int64()),
-        ("genres", pa.list_(pa.string())),
-        ("title", pa.string()),
+        (GENRES, pa.list_(pa.string())),
+        (TITLE, pa.string()),
     ]
 )
 
@@ -110,8 +111,8 @@ def write_item_vocab(
         {
             "item_id": ids,
             "train_count": ranking.column(COUNT).combine_chunks(),
-            "genres": [list(genres) for genres, _ in side],
-            "title": [title for _, title in side],
+            GENRES: [list(genres) for genres, _ in side],
+            TITLE: [title for _, title in side],
         },
         schema=ITEM_FEATURES_SCHEMA,
     )

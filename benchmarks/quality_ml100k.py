@@ -266,6 +266,8 @@ def tutorial_settings(config: RecsysConfig) -> RecsysConfig:
                     "embedding_dim": 32,
                     "hidden_dims": [],
                     "temperature": 1.0,
+                    # The tutorial's towers are plain embeddings: raw dot products, no norm.
+                    "normalize": False,
                     "logq_correction": False,
                     "remove_accidental_hits": False,
                     # The tutorial model is ids only: no history, no item features.
@@ -343,7 +345,13 @@ def exact_vs_factorized(
         "speedup_rounds": [round(x, 1) for x in ratios],
         "exact_peak_mib": round(max(e[1] for e in e_runs) / mib, 1),
         "factorized_topk_peak_mib": round(max(f[1] for f in f_runs) / mib, 1),
-        "scores_batch_mib": round(EVAL.user_batch_size * data.num_items * 4 / mib, 1),
+        "scores_batch_mib": round(
+            ev.batch_plan(len(users), data.num_items, EVAL.user_batch_size)[1]
+            * data.num_items
+            * 4
+            / mib,
+            1,
+        ),
     }
 
 

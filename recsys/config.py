@@ -214,6 +214,9 @@ class ModelConfig(_Strict):
     embedding_dim: int = Field(64, ge=2)
     hidden_dims: list[int] = []
     temperature: float = Field(0.1, gt=0)
+    # L2-normalise both towers' outputs (scores are cosines in [-1, 1], scaled by 1/temperature).
+    # false: raw dot products, as in the TFRS tutorial (benchmarks' equal-model comparison).
+    normalize: bool = True
     logq_correction: bool = True
     remove_accidental_hits: bool = True
     l2_regularization: float = Field(0.0, ge=0)
@@ -242,8 +245,9 @@ class TrainingConfig(_Strict):
     # epoch (no gzip re-read, no shuffle-buffer refill). auto: when it is estimated under
     # 1 GiB and one worker trains; memory: always; none: stream the TFRecords every epoch.
     cache: Literal["auto", "memory", "none"] = "auto"
-    # XLA-compile the train step. auto: on with one replica (numeric towers, ids looked up in
-    # tf.data); off under several replicas, where the all_gather runs outside XLA.
+    # XLA-compile the train step. auto: on with one GPU (numeric towers, ids looked up in
+    # tf.data); off on CPU, where the blocked in-batch softmax (recsys/losses.py) is faster,
+    # and under several replicas, where the all_gather runs outside XLA.
     jit_compile: Literal["auto", "on", "off"] = "auto"
     # Train steps per tf.function call (fewer Python round trips; callbacks see every Nth).
     steps_per_execution: int = Field(1, ge=1)

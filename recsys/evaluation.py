@@ -24,6 +24,7 @@ from pathlib import Path
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
+from threadpoolctl import threadpool_limits
 
 from recsys import schema
 from recsys.config import EvaluationConfig
@@ -32,6 +33,9 @@ _MAX_THREADS = 4
 """Score batches evaluated at once, on as many threads (at most twice the CPU count)."""
 _SCORE_BYTES = 256 << 20
 """Scores in flight over all threads; `evaluation.user_batch_size` caps a batch further."""
+_BATCH_BYTES = 16 << 20
+"""Scores (+ masks) of one batch: small enough that its passes mostly hit the CPU caches
+(100K items: 32 users a batch, 1.6x faster than 134 users; docs/BENCHMARKS.md)."""
 
 ScoreFn = Callable[[np.ndarray], np.ndarray]
 """Rows of evaluation users -> float scores [len(rows), num_items] in catalog order.
@@ -108,16 +112,7 @@ def evaluate(score_fn: ScoreFn, data: EvalSet, config: EvaluationConfig) -> Eval
     indptr = np.concatenate([[0], np.cumsum(lengths)])
     flat = np.concatenate(data.exclude).astype(np.int64) if n else np.zeros(0, np.int64)
 
-    # numpy's passes release the GIL: batches on several threads use several cores. Memory
-    # stays bounded: `threads` batches in flight, each sized so that all of them together hold
-    # at most _SCORE_BYTES of scores (+1 byte per score for comparison masks).
-    # Twice the cores: BLAS products on some threads overlap numpy passes on others. Small
-    # jobs (ML-100K: ~8 MB of scores) run faster on one thread than the pool costs.
-    bytes_per_user = 5 * max(data.num_items, 1)
-    threads = max(1, min(2 * (os.cpu_count() or 1), _MAX_THREADS))
-    if n * bytes_per_user < _SCORE_BYTES // 4:
-        threads = 1
-    batch = max(1, min(config.user_batch_size, max(16, _SCORE_BYTES // (threads * bytes_per_user))))
+    threads, batch = batch_plan(n, data.num_items, config.user_batch_size)
 
     def one_batch(start: int) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
         stop = min(start + batch, n)
@@ -136,7 +131,9 @@ def evaluate(score_fn: ScoreFn, data: EvalSet, config: EvaluationConfig) -> Eval
     starts = range(0, n, batch)
     threads = min(threads, len(starts))
     if threads > 1:
-        with ThreadPoolExecutor(threads) as pool:
+        # Our threads already fill the cores: BLAS threads inside each product only contend
+        # (one BLAS thread each: 1.6x faster on 2 cores, identical products).
+        with threadpool_limits(1, user_api="blas"), ThreadPoolExecutor(threads) as pool:
             results = list(pool.map(one_batch, starts))
     else:
         results = [one_batch(start) for start in starts]
@@ -153,6 +150,23 @@ def evaluate(score_fn: ScoreFn, data: EvalSet, config: EvaluationConfig) -> Eval
     metrics[f"coverage_at_{config.coverage_k}"] = float(covered.mean()) if data.num_items else 0.0
     metrics["eval_users"] = float(n)
     return EvalResult(metrics, per_user)
+
+
+def batch_plan(users: int, num_items: int, user_batch_size: int) -> tuple[int, int]:
+    """(threads, users per batch) of `evaluate`.
+
+    numpy's passes release the GIL: batches on several threads use several cores. Memory
+    stays bounded: `threads` batches in flight, each at most _BATCH_BYTES of scores (+1 byte
+    per score for comparison masks) and all of them together at most _SCORE_BYTES. Twice the
+    cores: BLAS products on some threads overlap numpy passes on others. Small jobs (ML-100K:
+    ~8 MB of scores) run faster on one thread than the pool costs.
+    """
+    bytes_per_user = 5 * max(num_items, 1)
+    threads = max(1, min(2 * (os.cpu_count() or 1), _MAX_THREADS))
+    if users * bytes_per_user < _SCORE_BYTES // 4:
+        threads = 1
+    budget = min(_BATCH_BYTES, _SCORE_BYTES // threads)
+    return threads, max(1, min(user_batch_size, max(16, budget // bytes_per_user)))
 
 
 def _target_ranks(scores: np.ndarray, targets: np.ndarray) -> np.ndarray:

@@ -12,9 +12,8 @@ from __future__ import annotations
 
 import contextlib
 import json
-import re
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -25,19 +24,21 @@ import tensorflow_recommenders as tfrs
 import recsys  # noqa: F401  (sets TF_USE_LEGACY_KERAS before TensorFlow is imported)
 from recsys.config import ModelConfig
 from recsys.errors import ConfigError, DataError, StageNotReadyError
+from recsys.item_tokens import MAX_GENRES, PAD, genre_tokens, title_tokens, token_matrix
+from recsys.losses import in_batch_softmax_loss
+from recsys.schema import GENRES, TITLE
 
 USER_INDEX = "user_index"
 ITEM_INDEX = "item_index"
 HISTORY_INDEX = "history_index"
 ITEM_LOG_PROB = "item_log_prob"
-PAD = -1
-"""Padding index of history / feature matrices (masked out of every pooled mean)."""
-
-GENRES = "genres"
-TITLE = "title"
 ITEM_FEATURE_COLUMNS = (GENRES, TITLE)
-_MAX_GENRES = 8
-_TOKEN = re.compile(r"\w+", re.UNICODE)
+TOKENIZERS = {GENRES: genre_tokens, TITLE: title_tokens}
+
+
+def feature_index(name: str) -> str:
+    """Key of an item feature's [n, width] token-index matrix in the candidate tower's input."""
+    return f"{name}_index"
 
 
 def masked_mean(embedding: tf.keras.layers.Layer, ids: tf.Tensor) -> tf.Tensor:
@@ -57,6 +58,12 @@ def _mlp(hidden_dims: Sequence[int]) -> list[tf.keras.layers.Layer]:
         )
         for i, units in enumerate(hidden_dims)
     ]
+
+
+def _output(x: tf.Tensor, normalize: bool = True) -> tf.Tensor:
+    """A tower's float32 output, L2-normalised unless `model.normalize` is false."""
+    x = tf.cast(x, tf.float32)
+    return tf.math.l2_normalize(x, axis=-1) if normalize else x
 
 
 def _embedding(rows: int, dim: int, l2: float, name: str) -> tf.keras.layers.Embedding:
@@ -81,10 +88,12 @@ class QueryTower(tf.keras.Model):
         history_length: int = 0,
         item_embedding: tf.keras.layers.Embedding | None = None,
         num_items: int = 0,
+        normalize: bool = True,
         **kwargs: object,
     ) -> None:
         super().__init__(**kwargs)
         self.history_length = history_length
+        self.normalize = normalize
         # Attribute names are checkpoint keys: `embedding` as in the first (ids-only) towers.
         self.embedding = _embedding(num_users, embedding_dim, l2, "embedding")
         self.shares_item_embedding = item_embedding is not None
@@ -101,7 +110,7 @@ class QueryTower(tf.keras.Model):
             x = x + masked_mean(self.history_embedding, inputs[HISTORY_INDEX])
         for layer in self.mlp:
             x = layer(x)
-        return tf.math.l2_normalize(tf.cast(x, tf.float32), axis=-1)
+        return _output(x, self.normalize)
 
     def get_config(self) -> dict[str, object]:
         # Rebuilt from model.json by TrainedModel.load, never from a Keras config.
@@ -113,7 +122,10 @@ class CandidateTower(tf.keras.Model):
 
     V is the (items + oov) x d item table; for each item feature f (genres, title tokens) the
     per-item token indices F_f are a constant [items + oov, width] table baked into the tower
-    (a non-trainable variable), so the whole catalog embeds from item indices alone.
+    (a non-trainable variable), so the whole catalog embeds from item indices alone. Called
+    with a dict instead, `{ITEM_INDEX: i, feature_index(f): F_f}` supplies the token indices
+    of some features (an item unknown to the catalog, or with new features); the others
+    still come from the table.
     """
 
     def __init__(
@@ -123,9 +135,11 @@ class CandidateTower(tf.keras.Model):
         hidden_dims: Sequence[int] = (),
         l2: float = 0.0,
         features: dict[str, tuple[np.ndarray, int]] | None = None,
+        normalize: bool = True,
         **kwargs: object,
     ) -> None:
         super().__init__(**kwargs)
+        self.normalize = normalize
         self.embedding = _embedding(num_items, embedding_dim, l2, "embedding")
         self.feature_names = sorted(features or {})
         self.feature_ids: dict[str, tf.Variable] = {}
@@ -144,14 +158,18 @@ class CandidateTower(tf.keras.Model):
             )
         self.mlp = _mlp(hidden_dims)
 
-    def call(self, indices: tf.Tensor) -> tf.Tensor:
+    def call(self, inputs: tf.Tensor | dict[str, tf.Tensor]) -> tf.Tensor:
+        given = inputs if isinstance(inputs, dict) else {ITEM_INDEX: inputs}
+        indices = given[ITEM_INDEX]
         x = self.embedding(indices)
         for name in self.feature_names:
-            ids = tf.gather(self.feature_ids[name], indices)
+            ids = given.get(feature_index(name))
+            if ids is None:
+                ids = tf.gather(self.feature_ids[name], indices)
             x = x + masked_mean(self.feature_embeddings[name], ids)
         for layer in self.mlp:
             x = layer(x)
-        return tf.math.l2_normalize(tf.cast(x, tf.float32), axis=-1)
+        return _output(x, self.normalize)
 
     def get_config(self) -> dict[str, object]:
         return {"name": self.name}
@@ -218,11 +236,17 @@ class TwoTowerModel(tfrs.Model):
         candidates, ids, log_q = gather_global_candidates(
             candidates, features[ITEM_INDEX], features[ITEM_LOG_PROB]
         )
+        log_q = log_q if self.config.logq_correction else None
+        ids = ids if self.config.remove_accidental_hits else None
+        if self.config.num_hard_negatives is None and not self.jit_compile:
+            # The task's loss in cache-sized row blocks (recsys/losses.py): ~2x faster on CPU.
+            # Its loop has dynamic shapes XLA cannot compile; under XLA the task is fused.
+            return in_batch_softmax_loss(query, candidates, self.config.temperature, log_q, ids)
         return self.task(
             query,
             candidates,
-            candidate_sampling_probability=tf.exp(log_q) if self.config.logq_correction else None,
-            candidate_ids=ids if self.config.remove_accidental_hits else None,
+            candidate_sampling_probability=None if log_q is None else tf.exp(log_q),
+            candidate_ids=ids,
             compute_metrics=False,
             compute_batch_metrics=False,
         )
@@ -302,10 +326,9 @@ class ItemFeatures:
         table = pq.read_table(path, columns=["item_id", *columns]).to_pydict()
         row = {item: i for i, item in enumerate(table["item_id"])}
         tokens: dict[str, list[list[str]]] = {}
-        if GENRES in columns:
-            tokens[GENRES] = [_genres(table[GENRES][row[i]]) if i in row else [] for i in items]
-        if TITLE in columns:
-            tokens[TITLE] = [_title(table[TITLE][row[i]]) if i in row else [] for i in items]
+        for name in columns:
+            tokenize = TOKENIZERS[name]
+            tokens[name] = [tokenize(table[name][row[i]]) if i in row else [] for i in items]
         features = cls()
         for name, per_item in tokens.items():
             counts = Counter(t for toks in per_item for t in set(toks))
@@ -313,10 +336,14 @@ class ItemFeatures:
             vocab = sorted((t for t, c in counts.items() if c >= 2), key=lambda t: (-counts[t], t))
             if not vocab:
                 continue
-            width = _MAX_GENRES if name == GENRES else max_title_tokens
-            features.ids[name] = _pad_tokens(per_item, vocab, width)
+            width = MAX_GENRES if name == GENRES else max_title_tokens
+            features.ids[name] = token_matrix(per_item, vocab, width)
             features.vocab[name] = vocab
         return features
+
+    def token_ids(self, name: str, per_item: Sequence[Sequence[str]]) -> np.ndarray:
+        """[n, width] indices of tokenised items, as the trained table would hold them."""
+        return token_matrix(per_item, self.vocab[name], self.ids[name].shape[1])
 
     def save(self, path: Path) -> None:
         """`item_features.npz` (id matrices) and `item_features.json` (token vocabularies)."""
@@ -331,26 +358,6 @@ class ItemFeatures:
         with np.load(path / "item_features.npz", allow_pickle=False) as npz:
             ids = {name: npz[name] for name in npz.files}
         return cls(ids, json.loads((path / "item_features.json").read_text(encoding="utf-8")))
-
-
-def _genres(value: object) -> list[str]:
-    if value is None:
-        return []
-    parts = value if isinstance(value, list) else str(value).split("|")
-    return [str(p).strip() for p in parts if p and str(p).strip()]
-
-
-def _title(value: object) -> list[str]:
-    return _TOKEN.findall(str(value).lower()) if value else []
-
-
-def _pad_tokens(per_item: list[list[str]], vocab: list[str], width: int) -> np.ndarray:
-    index = {t: i for i, t in enumerate(vocab)}
-    out = np.full((len(per_item), width), PAD, dtype=np.int32)
-    for row, toks in enumerate(per_item):
-        known = list(dict.fromkeys(index[t] for t in toks if t in index))[:width]
-        out[row, : len(known)] = known
-    return out
 
 
 def pad_histories(
@@ -406,13 +413,20 @@ class TrainedModel:
             for name, ids in item_features.ids.items()
         }
         dims = (config.embedding_dim, config.hidden_dims, config.l2_regularization)
-        cand = CandidateTower(len(items) + oov, *dims, features=features, name="candidate_tower")
+        cand = CandidateTower(
+            len(items) + oov,
+            *dims,
+            features=features,
+            normalize=config.normalize,
+            name="candidate_tower",
+        )
         query = QueryTower(
             len(users) + oov,
             *dims,
             history_length=config.history_length,
             item_embedding=cand.embedding if config.share_item_embeddings else None,
             num_items=len(items) + oov,
+            normalize=config.normalize,
             name="query_tower",
         )
         query(_dummy_query(config))
@@ -424,6 +438,11 @@ class TrainedModel:
 
     def item_lookup(self) -> tf.keras.layers.StringLookup:
         return string_lookup(self.items, self.config.oov_buckets)
+
+    @property
+    def normalization(self) -> str:
+        """What the towers' outputs are: "l2" (unit vectors, scores in [-1, 1]) or "none"."""
+        return "l2" if self.config.normalize else "none"
 
     @property
     def output_dim(self) -> int:
@@ -448,6 +467,30 @@ class TrainedModel:
             if parts
             else np.zeros((0, self.output_dim), np.float32)
         )
+
+    def candidate_embeddings(
+        self, item_ids: Sequence[str], features: Mapping[str, Sequence[object]] | None = None
+    ) -> np.ndarray:
+        """[n, d] candidate vectors of raw items: ids (unknown: an OOV bucket) and features.
+
+        `features` maps GENRES / TITLE to one raw value per item (a genre list, a title). A
+        value without tokens (None, [], "") takes the catalog's tokens for that id (none for an
+        unknown id), so ids alone give the catalog's vectors; features the model was trained
+        without are ignored. The candidate SavedModel computes the same in its graph.
+        """
+        if not item_ids:
+            return np.zeros((0, self.output_dim), np.float32)
+        indices = self.item_lookup()(tf.constant(list(item_ids), tf.string))
+        inputs = {ITEM_INDEX: indices}
+        for name, table in self.candidate_tower.feature_ids.items():
+            if name not in (features or {}):
+                continue
+            tokens = [TOKENIZERS[name](value) for value in features[name]]
+            given = np.array([bool(t) for t in tokens])[:, None]
+            catalog = tf.gather(table, indices).numpy()
+            ids = np.where(given, self.item_features.token_ids(name, tokens), catalog)
+            inputs[feature_index(name)] = tf.constant(ids)
+        return self.candidate_tower(inputs).numpy().astype(np.float32)
 
     def user_embeddings(
         self,
@@ -518,8 +561,9 @@ class TrainedModel:
         return model
 
 
-_ADDED_OFF = {"history_length": 0, "item_features": False}
-"""ModelConfig keys added after the first saved models, with the value that means 'absent'."""
+_ADDED_OFF = {"history_length": 0, "item_features": False, "normalize": True}
+"""ModelConfig keys added after the first saved models, with the value that means 'absent'
+(models saved before `normalize` existed were always normalised)."""
 
 
 def _dummy_query(config: ModelConfig) -> dict[str, tf.Tensor]:

@@ -9,7 +9,6 @@ until the whole sequence succeeded. Every step is idempotent (see docs/TRACKING.
 from __future__ import annotations
 
 import datetime as dt
-import hashlib
 import json
 import logging
 import tempfile
@@ -40,7 +39,7 @@ from recsys.tracking import (
 log = logging.getLogger(__name__)
 
 PENDING = "mlflow_pending.json"
-MANIFEST = "embeddings_manifest.json"
+EMBEDDINGS_ARTIFACTS = "embeddings"
 GATE_JSON = "gate.json"
 # Where the champion's per-user values on today's data are written (and logged).
 GATE_DIR = "gate"
@@ -129,7 +128,6 @@ def _publish(
     data_dir = Path(train_info["data_dir"])
     report = _read(run_dir / "metrics.json")
     exported = _read(run_dir / "export.json")
-    manifest = write_embeddings_manifest(run_dir / MANIFEST, exported["embeddings"])
     metrics = {f"test_{k}": v for k, v in report["model"].items()}
     for baseline, values in report.get("baselines", {}).items():
         metrics.update({f"{baseline}_{k}": v for k, v in values.items()})
@@ -143,9 +141,12 @@ def _publish(
         run_dir / "per_user_eval.parquet",
         run_dir / "history.json",
         run_dir / "export.json",
-        manifest,
         (run_dir / "model", "trained_model"),
     ]
+    # The embeddings' own manifest (dim, hashes, checksums: serving_export.manifest), not the
+    # vectors: they can be large and live in the workdir's embeddings/<version>/.
+    if exported.get("embeddings_manifest"):
+        artifacts.append((Path(exported["embeddings_manifest"]), EMBEDDINGS_ARTIFACTS))
     artifacts += [
         (Path(path), f"{registry.SAVEDMODELS}/{name}") for name, path in exported["models"].items()
     ]
@@ -337,34 +338,6 @@ def _recorded_decision(client: MlflowClient, run_id: str) -> gate.GateDecision |
     with tempfile.TemporaryDirectory(prefix="recsys-gate-") as tmp:
         path = client.download_artifacts(run_id, GATE_JSON, tmp)
         return gate.GateDecision.from_dict(json.loads(Path(path).read_text()))
-
-
-def write_embeddings_manifest(path: Path, embeddings: dict[str, str]) -> Path:
-    """A JSON list of the exported embedding files: path, rows, bytes, sha256."""
-    files = []
-    for name, location in sorted(embeddings.items()):
-        file = Path(location)
-        digest = _sha256(file) if file.is_file() else None
-        files.append(
-            {
-                "name": name,
-                "path": str(file),
-                "rows": pq.ParquetFile(file).metadata.num_rows if file.is_file() else None,
-                "bytes": file.stat().st_size if file.is_file() else None,
-                "sha256": digest,
-            }
-        )
-    _write_json(path, {"files": files})
-    return path
-
-
-def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with path.open("rb") as handle:
-        # In 8 MiB blocks: user embedding files can be larger than memory allows.
-        for block in iter(lambda: handle.read(8 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
 
 
 def _write_per_user(path: Path, users: list[str], per_user: dict[str, np.ndarray]) -> None:

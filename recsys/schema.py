@@ -18,6 +18,8 @@ ITEM_ID = "item_id"
 TIMESTAMP = "timestamp"
 WEIGHT = "weight"
 HISTORY = "history"
+GENRES = "genres"
+TITLE = "title"
 
 SPLITS = ("train", "validation", "test")
 """Leave-last-out: a user's last interaction is `test`, the one before it `validation`."""
@@ -52,14 +54,35 @@ FEATURES: tuple[Feature, ...] = (
 )
 FEATURE_NAMES = tuple(f.name for f in FEATURES)
 
+ITEM_FEATURES: tuple[Feature, ...] = (
+    Feature(
+        GENRES,
+        "bytes_list",
+        (),
+        "candidate",
+        "the item's genres (or any categorical tags), matched exactly after stripping spaces",
+    ),
+    Feature(
+        TITLE,
+        "bytes",
+        b"",
+        "candidate",
+        "the item's title (or any short text), lower-cased and split into word tokens",
+    ),
+)
+"""Item side features: columns of item_features.parquet (one row per item, written by the Beam
+job) and inputs of the candidate SavedModel, never fields of an interaction example."""
 
-def feature_spec() -> dict[str, tf.io.FixedLenFeature | tf.io.RaggedFeature]:
+
+def feature_spec(
+    features: tuple[Feature, ...] = FEATURES,
+) -> dict[str, tf.io.FixedLenFeature | tf.io.RaggedFeature]:
     """The tf.io.parse_example spec: scalars as [batch] tensors, lists as ragged [batch, None]."""
     import tensorflow as tf
 
     dtypes = {"bytes": tf.string, "int64": tf.int64, "float": tf.float32}
     spec: dict[str, tf.io.FixedLenFeature | tf.io.RaggedFeature] = {}
-    for f in FEATURES:
+    for f in features:
         if f.kind == "bytes_list":
             spec[f.name] = tf.io.RaggedFeature(tf.string)
         else:

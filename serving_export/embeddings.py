@@ -35,7 +35,11 @@ Chunk = tuple[Sequence[str], np.ndarray, dict[str, pa.Array]]
 
 
 def embeddings_schema(
-    id_column: str, dim: int, version: int, extra: Sequence[pa.Field] = ()
+    id_column: str,
+    dim: int,
+    version: int,
+    extra: Sequence[pa.Field] = (),
+    normalization: str = "l2",
 ) -> pa.Schema:
     """The Arrow schema of an embeddings file (the version is also kept in the metadata)."""
     return pa.schema(
@@ -48,7 +52,7 @@ def embeddings_schema(
         metadata={
             _META_VERSION: str(version).encode(),
             b"recsys.embedding_dim": str(dim).encode(),
-            b"recsys.normalization": b"l2",
+            b"recsys.normalization": normalization.encode(),
         },
     )
 
@@ -67,7 +71,9 @@ def write_item_embeddings(
     columns = columns or {}
     extra = _fields(columns, len(model.items))
     chunk = [(model.items, vectors, columns)]
-    return _write(Path(path), ITEM_ID, output_dim(model), version, chunk, extra)
+    return _write(
+        Path(path), ITEM_ID, output_dim(model), version, chunk, extra, model.normalization
+    )
 
 
 def write_user_embeddings(
@@ -100,7 +106,9 @@ def write_user_embeddings(
         )
         for i in range(0, len(user_ids), _ENCODE_CHUNK)
     )
-    return _write(Path(path), USER_ID, output_dim(model), version, chunks, extra)
+    return _write(
+        Path(path), USER_ID, output_dim(model), version, chunks, extra, model.normalization
+    )
 
 
 def read_embeddings(path: Path) -> tuple[list[str], np.ndarray, int]:
@@ -136,10 +144,11 @@ def _write(
     version: int,
     chunks: Iterable[Chunk],
     extra: Sequence[pa.Field] = (),
+    normalization: str = "l2",
 ) -> Path:
     if isinstance(version, bool) or not isinstance(version, int) or version < 0:
         raise ValueError(f"version must be a non-negative int, got {version!r}")
-    schema = embeddings_schema(id_column, dim, version, extra)
+    schema = embeddings_schema(id_column, dim, version, extra, normalization)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.parent / f".{path.name}.tmp-{uuid.uuid4().hex[:8]}"
     try:

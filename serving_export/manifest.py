@@ -29,7 +29,6 @@ from serving_export.embeddings import EMBEDDING, MODEL_VERSION, ROW_GROUP_SIZE, 
 MANIFEST = "manifest.json"
 FORMAT_VERSION = 1
 KINDS = {"items": ITEM_ID, "users": USER_ID}
-NORMALIZATION = "l2"
 SIMILARITY = "dot"
 
 
@@ -68,6 +67,7 @@ def write_manifest(
     vocabularies: dict[str, list[str]],
     models: dict[str, Path] | None = None,
     ann: dict[str, Any] | None = None,
+    normalization: str = "l2",
 ) -> Path:
     """Describe the embeddings files in `directory` (kind -> the ids they were written for).
 
@@ -93,7 +93,7 @@ def write_manifest(
         "model_version": version,
         "embedding_dim": dim,
         "dtype": "float32",
-        "normalization": NORMALIZATION,
+        "normalization": normalization,
         "similarity": SIMILARITY,
         "created": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
         "models": {name: _model_entry(Path(path)) for name, path in (models or {}).items()},

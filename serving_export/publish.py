@@ -68,6 +68,7 @@ def stage_embeddings(
         {"items": model.items, "users": model.users},
         models={name: path for name, path in models.items() if name != "retrieval"},
         ann=ann,
+        normalization=model.normalization,
     )
     return {"items": items, "users": users, "manifest": directory / MANIFEST, "ann": ann}
 

@@ -9,13 +9,14 @@ including the awkward ones: unknown and empty ids, empty and over-long histories
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
 from recsys import schema
 from recsys.model import TrainedModel
-from recsys.schema import HISTORY, ITEM_ID, USER_ID
+from recsys.schema import GENRES, HISTORY, ITEM_ID, TITLE, USER_ID
 
 MAX_KNOWN_SAMPLE = 64
 # Several unknown ids so that more than one OOV bucket is exercised; "" is a real request too.
@@ -31,10 +32,66 @@ def sample_users(model: TrainedModel, given: Sequence[str] | None = None) -> lis
     return list(given) + [uid for uid in UNKNOWN_USER_IDS if uid not in vocab]
 
 
-def sample_items(model: TrainedModel) -> list[str]:
-    """Up to 64 catalog items spread over the vocabulary, plus unknown and empty item ids."""
+@dataclass(frozen=True)
+class ItemRequests:
+    """Rows of candidate-model requests: raw item ids with their raw genres and titles."""
+
+    ids: list[str]
+    genres: list[list[str]]
+    titles: list[str]
+
+    def rows(self, index: Sequence[int]) -> ItemRequests:
+        """The requests at positions `index`, in that order."""
+        return ItemRequests(
+            [self.ids[i] for i in index],
+            [self.genres[i] for i in index],
+            [self.titles[i] for i in index],
+        )
+
+    def features(self) -> dict[str, list[Any]]:
+        """Raw feature values by feature name (`TrainedModel.candidate_embeddings` input)."""
+        return {GENRES: self.genres, TITLE: self.titles}
+
+
+def sample_items(model: TrainedModel) -> ItemRequests:
+    """Up to 64 catalog items spread over the vocabulary, plus unknown and empty item ids.
+
+    Their features cycle through: none (the catalog's are used), the item's own (rebuilt from
+    the model's token tables), another item's with noise (case, punctuation, repeats, unknown
+    and empty entries: a changed item), and oversized ones. Unknown ids are cold-start items.
+    """
     vocab = set(model.items)
-    return _spread(model.items) + [i for i in UNKNOWN_ITEM_IDS if i not in vocab]
+    ids = _spread(model.items) + [i for i in UNKNOWN_ITEM_IDS if i not in vocab]
+    position = {item: i for i, item in enumerate(model.items)}
+    catalog = max(len(model.items), 1)
+    genres, titles = [], []
+    for row, item in enumerate(ids):
+        variant = row % 4
+        source = position.get(item, row % catalog)  # unknown ids borrow an item's features
+        own = _catalog_tokens(model, (source * 5 + 3) % catalog if variant == 2 else source)
+        if variant == 0:
+            genres.append([])
+            titles.append("")
+        elif variant == 1:
+            genres.append(own[GENRES])
+            titles.append(" ".join(own[TITLE]).title())
+        elif variant == 2:
+            genres.append(["", *own[GENRES], " never-seen-genre ", *own[GENRES][:1]])
+            titles.append(f"{' '.join(own[TITLE]).upper()}: The Ünseen-Sequel (2031)!")
+        else:
+            genres.append([f"g{j}" for j in range(40)] + own[GENRES])
+            titles.append(" ".join(f"w{j}" for j in range(100)) + " " + " ".join(own[TITLE]))
+    return ItemRequests(ids, genres, titles)
+
+
+def _catalog_tokens(model: TrainedModel, row: int) -> dict[str, list[str]]:
+    """The tokens a catalog item's baked feature tables hold (none past the catalog)."""
+    features = model.item_features
+    out: dict[str, list[str]] = {GENRES: [], TITLE: []}
+    for name, ids in features.ids.items():
+        if row < len(ids):
+            out[name] = [features.vocab[name][i] for i in ids[row] if i >= 0]
+    return out
 
 
 def sample_histories(model: TrainedModel, n: int) -> list[list[str]]:
@@ -77,7 +134,7 @@ def tf_example(features: dict[str, Any]) -> bytes:
     """A serialized tf.Example holding only `features`, typed by `recsys.schema.FEATURES`."""
     from tensorflow.core.example import example_pb2
 
-    kinds = {f.name: f.kind for f in schema.FEATURES}
+    kinds = {f.name: f.kind for f in schema.FEATURES + schema.ITEM_FEATURES}
     example = example_pb2.Example()
     for name, value in features.items():
         feature = example.features.feature[name]
@@ -101,10 +158,13 @@ def query_examples(user_ids: Sequence[str], histories: Sequence[Sequence[str]]) 
     return out
 
 
-def item_examples(item_ids: Sequence[str]) -> np.ndarray:
-    """Serialized tf.Examples each holding one item_id."""
-    out = np.empty(len(item_ids), dtype=object)
-    out[:] = [tf_example({ITEM_ID: i}) for i in item_ids]
+def item_examples(items: ItemRequests) -> np.ndarray:
+    """Serialized tf.Examples each holding one item's item_id, genres and title."""
+    out = np.empty(len(items.ids), dtype=object)
+    out[:] = [
+        tf_example({ITEM_ID: i, GENRES: g, TITLE: t})
+        for i, g, t in zip(items.ids, items.genres, items.titles, strict=True)
+    ]
     return out
 
 
@@ -113,7 +173,7 @@ def request_inputs(
     signature: str,
     user_ids: Sequence[str],
     histories: Sequence[Sequence[str]],
-    item_ids: Sequence[str],
+    items: ItemRequests,
     ks: Sequence[int],
 ) -> dict[str, np.ndarray]:
     """The named input arrays of one signature call of model `name` on the given samples."""
@@ -121,7 +181,13 @@ def request_inputs(
 
     raw = signature == SIGNATURE
     if name == CANDIDATE:
-        return {ITEM_ID: strings(item_ids)} if raw else {EXAMPLES: item_examples(item_ids)}
+        if not raw:
+            return {EXAMPLES: item_examples(items)}
+        return {
+            ITEM_ID: strings(items.ids),
+            GENRES: padded(items.genres),
+            TITLE: strings(items.titles),
+        }
     inputs = (
         {USER_ID: strings(user_ids), HISTORY: padded(histories)}
         if raw

@@ -3,7 +3,7 @@
 | model | `serving_default` inputs | `predict_tf_example` inputs | outputs |
 |---|---|---|---|
 | query | user_id [n], history [n, m] | examples [n] | embedding [n, d] |
-| candidate | item_id [n] | examples [n] | embedding [n, d] |
+| candidate | item_id [n], genres [n, g], title [n] | examples [n] | embedding [n, d] |
 | retrieval | user_id [n], history [n, m], k [n] | examples [n], k [n] | item_ids, scores [n, K] |
 
 All take raw strings, so a client needs no vocabulary: `history` holds the user's previous item
@@ -11,6 +11,10 @@ ids oldest first, right-padded with "" (m may be 0); `examples` are serialized t
 parsed with `recsys.schema.feature_spec()` (missing features take the schema defaults). Unknown
 ids hash into the model's out-of-vocabulary buckets exactly as during training (`TrainedModel`
 lookups), "" history entries are ignored and only the last `model.history_length` ids count.
+The candidate model tokenises `genres` ("" -padded) and `title` in the graph with the rules of
+`recsys.item_tokens` (those that built the training tables), so an item the catalog has never
+seen (cold start) is embedded from its features; an item whose genres or title have no token
+(an empty list, "") takes the catalog's tokens for its id, so ids alone give the catalog vector.
 `k` is clipped in the graph to [1, min(max_k, catalog size)]; the output width K is the largest
 clipped k of the batch and a row asking for fewer is padded with item id "" and PAD_SCORE.
 Each model is written to a temporary sibling folder and published by one rename, so TF Serving,
@@ -29,12 +33,21 @@ from typing import Any
 import recsys  # noqa: F401  (sets TF_USE_LEGACY_KERAS before TensorFlow is imported)
 
 # isort: split
+import numpy as np
 import tensorflow as tf
 
 from recsys import schema
+from recsys.item_tokens import graph_genre_tokens, graph_title_tokens, graph_token_matrix
 from recsys.layout import atomic_dir
-from recsys.model import HISTORY_INDEX, USER_INDEX, TrainedModel, string_lookup
-from recsys.schema import HISTORY, ITEM_ID, USER_ID
+from recsys.model import (
+    HISTORY_INDEX,
+    ITEM_INDEX,
+    USER_INDEX,
+    TrainedModel,
+    feature_index,
+    string_lookup,
+)
+from recsys.schema import GENRES, HISTORY, ITEM_ID, TITLE, USER_ID
 from recsys.training.dataset import history_indices
 
 QUERY = "query"
@@ -53,20 +66,31 @@ USER_VOCAB_ASSET = "users.txt"
 ITEM_VOCAB_ASSET = "items.txt"
 PAD_ITEM_ID = ""
 # Scores are dot products of L2-normalised vectors, in [-1, 1]: -2 sorts below every real
-# score and, unlike -inf, is valid JSON in a TF Serving REST response.
+# score and, unlike -inf, is valid JSON in a TF Serving REST response. Unnormalised towers
+# (`model.normalize: false`) have unbounded scores: they pad with the lowest float32.
 PAD_SCORE = -2.0
+UNNORMALIZED_PAD_SCORE = float(np.finfo(np.float32).min)
+
+
+def pad_score(model: TrainedModel) -> float:
+    """The score of padding entries in the retrieval model's output."""
+    return PAD_SCORE if model.config.normalize else UNNORMALIZED_PAD_SCORE
+
 
 _USER_ID_SPEC = tf.TensorSpec([None], tf.string, name=USER_ID)
 _ITEM_ID_SPEC = tf.TensorSpec([None], tf.string, name=ITEM_ID)
 _HISTORY_SPEC = tf.TensorSpec([None, None], tf.string, name=HISTORY)
+_GENRES_SPEC = tf.TensorSpec([None, None], tf.string, name=GENRES)
+_TITLE_SPEC = tf.TensorSpec([None], tf.string, name=TITLE)
 _EXAMPLES_SPEC = tf.TensorSpec([None], tf.string, name=EXAMPLES)
 _K_SPEC = tf.TensorSpec([None], tf.int32, name=K)
 
 
 def tower_feature_spec(tower: str) -> dict[str, Any]:
     """The parse spec of one tower's features, taken from the one schema definition."""
-    spec = schema.feature_spec()
-    return {f.name: spec[f.name] for f in schema.FEATURES if f.tower == tower}
+    features = schema.FEATURES + (schema.ITEM_FEATURES if tower == CANDIDATE else ())
+    spec = schema.feature_spec(features)
+    return {f.name: spec[f.name] for f in features if f.tower == tower}
 
 
 def signature_specs(model: TrainedModel) -> dict[str, dict[str, dict[str, Any]]]:
@@ -78,6 +102,11 @@ def signature_specs(model: TrainedModel) -> dict[str, dict[str, dict[str, Any]]]
 
     examples = {EXAMPLES: t("string", None)}
     query_in = {USER_ID: t("string", None), HISTORY: t("string", None, None)}
+    item_in = {
+        ITEM_ID: t("string", None),
+        GENRES: t("string", None, None),
+        TITLE: t("string", None),
+    }
     embedding = {EMBEDDING: t("float32", None, dim)}
     topk = {ITEM_IDS: t("string", None, None), SCORES: t("float32", None, None)}
     return {
@@ -86,7 +115,7 @@ def signature_specs(model: TrainedModel) -> dict[str, dict[str, dict[str, Any]]]
             TF_EXAMPLE_SIGNATURE: {"inputs": examples, "outputs": embedding},
         },
         CANDIDATE: {
-            SIGNATURE: {"inputs": {ITEM_ID: t("string", None)}, "outputs": embedding},
+            SIGNATURE: {"inputs": item_in, "outputs": embedding},
             TF_EXAMPLE_SIGNATURE: {"inputs": examples, "outputs": embedding},
         },
         RETRIEVAL: {
@@ -142,26 +171,63 @@ class QueryModule(tf.Module):
         return {EMBEDDING: self.query_tower(inputs)}
 
 
-class CandidateModule(tf.Module):
-    """item_id [None] (or tf.Examples) -> embedding [None, d]; item features are baked in."""
+class ItemInputs(tf.Module):
+    """Raw item ids, genre lists and titles -> candidate tower inputs, tokenised in the graph.
+
+    Per feature the model was trained with: the raw value's tokens looked up in the feature's
+    vocabulary (`recsys.item_tokens` rules); a row without tokens takes the catalog's baked
+    tokens of its item index (none for an OOV bucket).
+    """
 
     def __init__(
-        self, item_lookup: tf.keras.layers.StringLookup, candidate_tower: tf.keras.Model
+        self,
+        item_lookup: tf.keras.layers.StringLookup,
+        token_lookups: dict[str, tf.keras.layers.StringLookup],
+        catalog_tokens: dict[str, tf.Variable],
     ) -> None:
-        super().__init__(name="candidate")
+        super().__init__(name="item_inputs")
         self.item_lookup = item_lookup
+        self.token_lookups = token_lookups  # index 0 = unknown token, vocabulary from 1
+        self.catalog_tokens = catalog_tokens
+
+    def __call__(
+        self, item_id: tf.Tensor, genres: tf.Tensor | tf.RaggedTensor, title: tf.Tensor
+    ) -> dict[str, tf.Tensor]:
+        index = self.item_lookup(item_id)
+        inputs = {ITEM_INDEX: index}
+        tokenized = {
+            GENRES: lambda: graph_genre_tokens(genres),
+            TITLE: lambda: graph_title_tokens(title),
+        }
+        for name, lookup in self.token_lookups.items():
+            tokens = tokenized[name]()
+            table = self.catalog_tokens[name]
+            ids = graph_token_matrix(tokens, lambda t, lookup=lookup: lookup(t) - 1, table.shape[1])
+            has_tokens = tokens.row_lengths()[:, None] > 0
+            inputs[feature_index(name)] = tf.where(has_tokens, ids, tf.gather(table, index))
+        return inputs
+
+
+class CandidateModule(tf.Module):
+    """item_id [None], genres [None, None], title [None] (or tf.Examples) -> embedding."""
+
+    def __init__(self, inputs: ItemInputs, candidate_tower: tf.keras.Model) -> None:
+        super().__init__(name="candidate")
+        self.inputs = inputs
         self.candidate_tower = candidate_tower
 
-    @tf.function(input_signature=[_ITEM_ID_SPEC])
-    def serve(self, item_id: tf.Tensor) -> dict[str, tf.Tensor]:
-        """Candidate vectors for raw item ids (unknown ids: their OOV bucket's vector)."""
-        return {EMBEDDING: self.candidate_tower(self.item_lookup(item_id))}
+    @tf.function(input_signature=[_ITEM_ID_SPEC, _GENRES_SPEC, _TITLE_SPEC])
+    def serve(
+        self, item_id: tf.Tensor, genres: tf.Tensor, title: tf.Tensor
+    ) -> dict[str, tf.Tensor]:
+        """Candidate vectors of raw items: ids (unknown: an OOV bucket) and their features."""
+        return {EMBEDDING: self.candidate_tower(self.inputs(item_id, genres, title))}
 
     @tf.function(input_signature=[_EXAMPLES_SPEC])
     def serve_examples(self, examples: tf.Tensor) -> dict[str, tf.Tensor]:
-        """Candidate vectors for serialized tf.Examples carrying item_id."""
-        features = tf.io.parse_example(examples, tower_feature_spec(CANDIDATE))
-        return {EMBEDDING: self.candidate_tower(self.item_lookup(features[ITEM_ID]))}
+        """Candidate vectors for serialized tf.Examples carrying item_id, genres, title."""
+        f = tf.io.parse_example(examples, tower_feature_spec(CANDIDATE))
+        return {EMBEDDING: self.candidate_tower(self.inputs(f[ITEM_ID], f[GENRES], f[TITLE]))}
 
 
 class RetrievalModule(tf.Module):
@@ -181,6 +247,7 @@ class RetrievalModule(tf.Module):
             model.item_embeddings(), dtype=tf.float32, trainable=False, name="item_embeddings"
         )
         self.max_k = min(max_k, len(model.items))
+        self.pad_score = pad_score(model)
 
     def _top_k(self, queries: tf.Tensor, k: tf.Tensor) -> dict[str, tf.Tensor]:
         scores = tf.matmul(queries, self.item_embeddings, transpose_b=True)
@@ -199,7 +266,7 @@ class RetrievalModule(tf.Module):
         keep = tf.range(width)[None, :] < per_row[:, None]
         return {
             ITEM_IDS: tf.where(keep, tf.gather(self.item_ids, top.indices), PAD_ITEM_ID),
-            SCORES: tf.where(keep, top.values, PAD_SCORE),
+            SCORES: tf.where(keep, top.values, self.pad_score),
         }
 
     @tf.function(input_signature=[_USER_ID_SPEC, _HISTORY_SPEC, _K_SPEC])
@@ -242,7 +309,9 @@ def export_savedmodels(
         )
         modules: dict[str, tf.Module] = {
             QUERY: QueryModule(inputs, model.query_tower),
-            CANDIDATE: CandidateModule(item_lookup, model.candidate_tower),
+            CANDIDATE: CandidateModule(
+                _item_inputs(model, item_lookup, Path(scratch)), model.candidate_tower
+            ),
             RETRIEVAL: RetrievalModule(inputs, model, top_k),
         }
         published = {}
@@ -254,6 +323,18 @@ def export_savedmodels(
 
             published[name] = _publish(module, export_root / name / str(version), extra)
         return published
+
+
+def _item_inputs(
+    model: TrainedModel, item_lookup: tf.keras.layers.StringLookup, scratch: Path
+) -> ItemInputs:
+    """The candidate model's input layer: one token lookup per item feature the tower uses."""
+    tower = model.candidate_tower
+    token_lookups = {
+        name: _lookup(model.item_features.vocab[name], 1, scratch / f"{name}.txt")
+        for name in tower.feature_names
+    }
+    return ItemInputs(item_lookup, token_lookups, dict(tower.feature_ids))
 
 
 def _check_args(model: TrainedModel, version: int, top_k: int) -> None:
@@ -301,6 +382,7 @@ __all__ = [
     "MODEL_NAMES",
     "SIGNATURES",
     "CandidateModule",
+    "ItemInputs",
     "QueryModule",
     "RetrievalModule",
     "export_savedmodels",

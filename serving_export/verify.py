@@ -43,6 +43,7 @@ from serving_export.savedmodels import (
     RETRIEVAL,
     SCORES,
     SIGNATURES,
+    pad_score,
     signature_specs,
 )
 
@@ -76,21 +77,21 @@ def verify_export(
     exported = {name: Path(path) for name, path in exported.items()}
     user_ids = sample_users(model, sample_user_ids)
     histories = sample_histories(model, len(user_ids))
-    item_ids = samples.sample_items(model)
+    item_requests = samples.sample_items(model)
     ks = samples.sample_ks(max_k or len(model.items), len(user_ids))
-    calls = _calls(exported, user_ids, histories, item_ids, ks)
+    calls = _calls(exported, user_ids, histories, item_requests, ks)
     child, outputs, cli_notes = _run_fresh_process_checks(exported, calls)
     # CPU on both sides: GPUs default to TF32 matmuls (~1e-3 relative error), which would
     # swamp a 1e-5 tolerance; the artifact's correctness is not a property of the hardware.
     with tf.device("/CPU:0"):
         queries = model.user_embeddings(user_ids, histories)
         items = model.item_embeddings()
-        candidates = candidate_embeddings(model, item_ids)
+        candidates = model.candidate_embeddings(item_requests.ids, item_requests.features())
     report: dict[str, Any] = {
         "tolerance": tolerance,
         "sample_users": len(user_ids),
         "unknown_sample_users": len(set(user_ids) - set(model.users)),
-        "sample_items": len(item_ids),
+        "sample_items": len(item_requests.ids),
         "fresh_process": {key: child[key] for key in ("tensorflow", "project_modules_loaded")},
         "models": {},
     }
@@ -130,19 +131,11 @@ def verify_export(
     return report
 
 
-def candidate_embeddings(model: TrainedModel, item_ids: Sequence[str]) -> np.ndarray:
-    """[n, d] candidate vectors of raw item ids (unknown ids: their OOV bucket), in memory."""
-    if not item_ids:
-        return np.zeros((0, model.output_dim), np.float32)
-    indices = model.item_lookup()(tf.constant(list(item_ids), tf.string))
-    return model.candidate_tower(indices).numpy().astype(np.float32)
-
-
 def _calls(
     exported: dict[str, Path],
     user_ids: list[str],
     histories: list[list[str]],
-    item_ids: list[str],
+    items: samples.ItemRequests,
     ks: list[int],
 ) -> list[dict[str, Any]]:
     """Every signature of every model on the samples; retrieval with all-max and mixed k."""
@@ -151,7 +144,7 @@ def _calls(
         for signature in SIGNATURES:
             variants = {"all": [_ALL_K] * len(user_ids), "mixed": ks} if name == RETRIEVAL else {}
             for variant, k in (variants or {"all": []}).items():
-                inputs = samples.request_inputs(name, signature, user_ids, histories, item_ids, k)
+                inputs = samples.request_inputs(name, signature, user_ids, histories, items, k)
                 calls.append(
                     {
                         "id": f"{name}.{signature}.{variant}",
@@ -291,6 +284,7 @@ def _check_retrieval(
             outputs[f"{prefix}.mixed.{ITEM_IDS}"],
             outputs[f"{prefix}.mixed.{SCORES}"],
             ks,
+            pad_score(model),
         )
         problems += [f"{signature}: {p}" for p in mixed[:3]]
         per_signature[signature] = {**stats, "mixed_k_problems": len(mixed)}
@@ -310,11 +304,12 @@ def mixed_k_problems(
     ids: np.ndarray,
     scores: np.ndarray,
     ks: Sequence[int],
+    padding_score: float = PAD_SCORE,
 ) -> list[str]:
     """How a mixed-k answer departs from the all-max one: rows must be clipped prefixes.
 
     Row r asked for ks[r]; it must hold the first clip(ks[r], 1, K) items of the full answer
-    (K its width), then padding (PAD_ITEM_ID, PAD_SCORE) up to the batch's widest row.
+    (K its width), then padding (PAD_ITEM_ID, `padding_score`) up to the batch's widest row.
     """
     width = full_scores.shape[1]
     clipped = np.clip(np.asarray(ks), 1, width)
@@ -327,7 +322,7 @@ def mixed_k_problems(
             scores[row, :k], full_scores[row, :k]
         ):
             problems.append(f"mixed k: row {row} (k={ks[row]}) is not the full answer's prefix")
-        elif (ids[row, k:] != PAD_ITEM_ID).any() or (scores[row, k:] != PAD_SCORE).any():
+        elif (ids[row, k:] != PAD_ITEM_ID).any() or (scores[row, k:] != padding_score).any():
             problems.append(f"mixed k: row {row} (k={ks[row]}) is not padded after {k}")
     return problems
 

@@ -30,13 +30,19 @@ def warmup_requests(model: TrainedModel, name: str, max_k: int) -> list[Request]
     mixed = users[:1] + users[-MIXED_BATCH + 1 :]  # a known user, unknown ones, ""
     histories = samples.sample_histories(model, len(mixed))
     items = samples.sample_items(model)
-    mixed_items = items[:1] + items[-MIXED_BATCH + 1 :]
+    count = len(items.ids)
+    mixed_items = items.rows([0, *range(max(1, count - MIXED_BATCH + 1), count)])
     requests = []
     for signature in SIGNATURES:
         for n in (1, len(mixed)):
             k = samples.sample_ks(max_k, len(mixed))[:n] if n > 1 else [max_k]
             inputs = samples.request_inputs(
-                name, signature, mixed[:n], histories[:n], mixed_items[:n], k
+                name,
+                signature,
+                mixed[:n],
+                histories[:n],
+                mixed_items.rows(range(min(n, len(mixed_items.ids)))),
+                k,
             )
             requests.append((signature, inputs))
     return requests

@@ -25,7 +25,7 @@ from serving_export.savedmodels import (
     export_savedmodels,
     signature_specs,
 )
-from serving_export.verify import candidate_embeddings, compare_topk, sample_users, verify_export
+from serving_export.verify import compare_topk, sample_users, verify_export
 from serving_export.warmup import WARMUP_DIR, WARMUP_FILE, read_warmup_requests
 
 USERS = [f"u{i}" for i in range(12)]
@@ -191,8 +191,14 @@ def test_candidate_model_embeds_raw_item_ids(
     model: TrainedModel, exported: dict[str, Path]
 ) -> None:
     ids = [*ITEMS[:5], "never-seen-item", ""]
-    got = call(exported[CANDIDATE], "serving_default", item_id=samples.strings(ids))["embedding"]
-    np.testing.assert_allclose(got, candidate_embeddings(model, ids), atol=TOL)
+    got = call(
+        exported[CANDIDATE],
+        "serving_default",
+        item_id=samples.strings(ids),
+        genres=samples.padded([[] for _ in ids]),
+        title=samples.strings([""] * len(ids)),
+    )["embedding"]
+    np.testing.assert_allclose(got, model.candidate_embeddings(ids), atol=TOL)
     np.testing.assert_allclose(got[:5], model.item_embeddings()[:5], atol=TOL)
     np.testing.assert_allclose(np.linalg.norm(got, axis=1), 1.0, atol=1e-5)
 
@@ -447,7 +453,29 @@ def test_documented_rest_requests_run_against_the_exports(
                 values = [base64.b64decode(v["b64"]) for v in values]
             dtype = np.int32 if expected[key]["dtype"] == "int32" else object
             inputs[key] = np.array(values, dtype=dtype)
-            if key == "history":  # [] rows of the columnar example: a [n, 0] tensor
+            if len(expected[key]["shape"]) == 2:  # [] rows of the columnar example: [n, 0]
                 inputs[key] = inputs[key].reshape(len(values), -1)
         outputs = call(exported[name], signature, **inputs)
         assert sorted(outputs) == sorted(specs[name][signature]["outputs"])
+
+
+def test_unnormalized_towers_export_with_their_own_padding_and_manifest(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from recsys.config import ExportConfig
+    from serving_export.manifest import read_manifest
+    from serving_export.publish import stage_embeddings
+    from serving_export.savedmodels import UNNORMALIZED_PAD_SCORE
+
+    tf.keras.utils.set_random_seed(8)
+    raw = TrainedModel.build(USERS, ITEMS, CONFIG.model_copy(update={"normalize": False}))
+    assert not np.allclose(np.linalg.norm(raw.item_embeddings(), axis=1), 1.0)
+    exported = export_savedmodels(raw, tmp_path / "export", 1, TOP_K, warmup=False)
+    monkeypatch.setattr(verify, "SAVED_MODEL_CLI", tmp_path / "missing")  # speed only
+    report = verify_export(raw, exported, TOL, max_k=TOP_K, expect_warmup=False)
+    assert report["models"][RETRIEVAL]["topk_id_mismatches"] == 0
+    # Unbounded scores: a row asking for fewer items is padded below any possible score.
+    padded_row = serve(exported[RETRIEVAL], ["u1", "u2"], k=[1, TOP_K])["scores"][0]
+    assert (padded_row[1:] == UNNORMALIZED_PAD_SCORE).all()
+    stage_embeddings(raw, tmp_path / "emb", 1, exported, ExportConfig())
+    assert read_manifest(tmp_path / "emb")["normalization"] == "none"

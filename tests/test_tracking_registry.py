@@ -68,10 +68,12 @@ def fake_run(
     emb = workdir.embeddings(version)
     emb.mkdir(parents=True)
     pq.write_table(pa.table({"item_id": ["a", "b"]}), emb / "items.parquet")
+    (emb / "manifest.json").write_text(json.dumps({"files": {"items": {"rows": 2}}}))
     exported = {
         "version": version,
         "models": {k: str(v) for k, v in models.items()},
         "embeddings": {"items": str(emb / "items.parquet")},
+        "embeddings_manifest": str(emb / "manifest.json"),
     }
     (run_dir / "export.json").write_text(json.dumps(exported))
     mark_complete(run_dir)
@@ -119,12 +121,12 @@ def test_first_run_is_logged_registered_and_champion(
     top = {a.path for a in client.list_artifacts(run.info.run_id)}
     assert {
         "config.yaml", "stats.json", "metrics.json", "per_user_eval.parquet", "history.json",
-        "export.json", "embeddings_manifest.json", "gate.json", "savedmodels", "trained_model",
+        "export.json", "embeddings", "gate.json", "savedmodels", "trained_model",
     } <= top  # fmt: skip
     saved = {a.path for a in client.list_artifacts(run.info.run_id, "savedmodels")}
     assert saved == {"savedmodels/query", "savedmodels/retrieval"}
-    manifest = json.loads((run_dir / "embeddings_manifest.json").read_text())
-    assert manifest["files"][0]["rows"] == 2 and len(manifest["files"][0]["sha256"]) == 64
+    logged = client.download_artifacts(run.info.run_id, "embeddings/manifest.json", str(run_dir))
+    assert json.loads(Path(logged).read_text())["files"]["items"]["rows"] == 2
 
     version = client.get_model_version("reg-first", "1")
     assert version.run_id == run.info.run_id and version.source.endswith("/savedmodels")

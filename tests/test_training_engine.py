@@ -79,27 +79,33 @@ def test_same_seed_same_batches_when_deterministic(
     assert first_items(1) != first_items(2)
 
 
-def test_in_memory_batches_equal_streamed_ones(
+def test_in_memory_batches_are_whole_split_permutations(
     prepared: tuple[RecsysConfig, Workdir, Path],
 ) -> None:
-    """Held in memory, the split yields what streaming with a buffer >= the split yields."""
+    """Held in memory, every epoch is a fresh permutation of the streamed split's examples
+    (a full shuffle), reproducible with the seed, in batches of the streamed shapes."""
     config, _, data_dir = prepared
     model = _model(data_dir, config.model)
 
-    def epochs(ds: tf.data.Dataset) -> list[list[np.ndarray]]:
-        return [[b["item_index"].numpy() for b in ds] for _ in range(2)]
+    def rows(batch: dict[str, tf.Tensor]) -> list[tuple[int, ...]]:
+        columns = [batch[k].numpy() for k in ("user_index", "item_index", HISTORY_INDEX)]
+        return [(u, i, *h) for u, i, h in zip(*columns, strict=True)]
 
-    tf.keras.utils.set_random_seed(5)
-    streamed = epochs(training_dataset(data_dir, "train", model, 64, 10**6, 5))
-    tf.keras.utils.set_random_seed(5)
+    def epochs(ds: tf.data.Dataset) -> list[list[list[tuple[int, ...]]]]:
+        return [[rows(b) for b in ds] for _ in range(2)]
+
+    streamed = epochs(training_dataset(data_dir, "train", model, 64))[0]
     cached = epochs(in_memory_dataset(data_dir, "train", model, 64, True, 5))
-    for s_epoch, c_epoch in zip(streamed, cached, strict=True):
-        assert len(s_epoch) == len(c_epoch)
-        for s_batch, c_batch in zip(s_epoch, c_epoch, strict=True):
-            np.testing.assert_array_equal(s_batch, c_batch)
-    # Reshuffled every epoch, and a whole-split permutation (every example once).
-    assert not np.array_equal(np.concatenate(cached[0]), np.concatenate(cached[1]))
-    assert sorted(np.concatenate(cached[0])) == sorted(np.concatenate(cached[1]))
+    assert cached == epochs(in_memory_dataset(data_dir, "train", model, 64, True, 5))
+    assert cached != epochs(in_memory_dataset(data_dir, "train", model, 64, True, 6))
+    everything = sorted(r for b in streamed for r in b)
+    for epoch in cached:
+        assert [len(b) for b in epoch] == [len(b) for b in streamed]  # last batch partial
+        assert sorted(r for b in epoch for r in b) == everything  # every example once
+    assert cached[0] != cached[1]  # reshuffled every epoch
+    dropped = in_memory_dataset(data_dir, "train", model, 64, True, 5, drop_remainder=True)
+    assert dropped.element_spec["item_index"].shape == (64,)  # static, as replicas need
+    assert len(list(dropped)) == len(everything) // 64
     batch = next(iter(in_memory_dataset(data_dir, "train", model, 64)))
     assert batch[HISTORY_INDEX].shape == (64, config.model.history_length)
 
@@ -114,8 +120,10 @@ def test_cache_and_jit_settings(prepared: tuple[RecsysConfig, Workdir, Path]) ->
     assert not trainer.use_cache("auto", huge, model, one)
     assert trainer.use_cache("memory", huge, model, one)
     assert not trainer.use_cache("none", small, model, one)
-    assert trainer.use_jit("auto", 1) and not trainer.use_jit("auto", 2)
-    assert trainer.use_jit("on", 2) and not trainer.use_jit("off", 1)
+    # auto: XLA on one GPU; on CPU the blocked loss without XLA is faster.
+    assert trainer.use_jit("auto", 1, gpus=1) and not trainer.use_jit("auto", 2, gpus=2)
+    assert not trainer.use_jit("auto", 1, gpus=0)
+    assert trainer.use_jit("on", 2) and not trainer.use_jit("off", 1, gpus=1)
 
 
 def test_xla_trains_the_same_model(prepared: tuple[RecsysConfig, Workdir, Path]) -> None:
@@ -129,6 +137,65 @@ def test_xla_trains_the_same_model(prepared: tuple[RecsysConfig, Workdir, Path])
     fast, plain = fit("on"), fit("off")
     assert (fast.jit_compile, plain.jit_compile, fast.cached) == (True, False, True)
     np.testing.assert_allclose(fast.history["loss"], plain.history["loss"], rtol=1e-3)
+
+
+@pytest.mark.parametrize("cache", ["memory", "none"])
+def test_xla_with_determinism_repeats_the_same_run(
+    prepared: tuple[RecsysConfig, Workdir, Path], cache: str
+) -> None:
+    """`jit_compile: on` + `deterministic: true`: two runs give the same losses and weights."""
+    config, _, data_dir = prepared
+    cfg = with_updates(
+        config,
+        training={"epochs": 2, "jit_compile": "on", "deterministic": True, "cache": cache},
+    )
+    first = trainer.train(cfg, data_dir)
+    tf.keras.backend.clear_session()
+    second = trainer.train(cfg, data_dir)
+    assert first.jit_compile and second.jit_compile
+    assert first.history["loss"] == second.history["loss"]
+    np.testing.assert_array_equal(first.model.item_embeddings(), second.model.item_embeddings())
+
+
+def test_blocked_loss_equals_the_tfrs_task() -> None:
+    """recsys.losses: TFRS Retrieval's loss and gradients, in row blocks, extra negatives."""
+    import tensorflow_recommenders as tfrs
+
+    from recsys.losses import in_batch_softmax_loss
+
+    rng = np.random.default_rng(3)
+    n, m = 70, 90  # 20 extra candidates (another replica's rows)
+    query = tf.Variable(rng.normal(size=(n, 8)).astype(np.float32))
+    cands = tf.Variable(rng.normal(size=(m, 8)).astype(np.float32))
+    ids = tf.constant(rng.integers(0, 15, m))  # many accidental hits
+    log_q = tf.constant(np.log(rng.uniform(0.01, 0.2, m)).astype(np.float32))
+    for temperature, logq, hits in [(1.0, False, False), (0.1, True, True), (0.05, False, True)]:
+        task = tfrs.tasks.Retrieval(temperature=temperature, remove_accidental_hits=hits)
+        with tf.GradientTape(persistent=True) as tape:
+            want = task(
+                query,
+                cands,
+                candidate_sampling_probability=tf.exp(log_q) if logq else None,
+                candidate_ids=ids if hits else None,
+                compute_metrics=False,
+                compute_batch_metrics=False,
+            )
+            got = in_batch_softmax_loss(
+                query, cands, temperature, log_q if logq else None, ids if hits else None, 16
+            )
+        np.testing.assert_allclose(got.numpy(), want.numpy(), rtol=1e-5)
+        grads = tape.gradient(got, [query, cands]), tape.gradient(want, [query, cands])
+        for g, w in zip(*grads, strict=True):
+            np.testing.assert_allclose(g.numpy(), w.numpy(), rtol=1e-4, atol=1e-4)
+
+
+def test_towers_without_normalisation(prepared: tuple[RecsysConfig, Workdir, Path]) -> None:
+    """`model.normalize: false` (the TFRS tutorial's raw dot products), kept in model.json."""
+    config, _, data_dir = prepared
+    model = _model(data_dir, config.model.model_copy(update={"normalize": False}))
+    assert not np.allclose(np.linalg.norm(model.item_embeddings(), axis=1), 1.0)
+    normalised = _model(data_dir, config.model)
+    np.testing.assert_allclose(np.linalg.norm(normalised.item_embeddings(), axis=1), 1.0, rtol=1e-5)
 
 
 def test_item_features_from_parquet(tmp_path: Path) -> None:
@@ -268,6 +335,73 @@ def test_early_stopping_state_survives_a_resume(
     kept = result.model.candidate_tower.embedding.embeddings.numpy()
     np.testing.assert_array_equal(kept, snapshots[1])
     assert not (backup / "early_stopping").exists()  # a finished run leaves no state behind
+
+
+@pytest.mark.parametrize("kill", ["mid_epoch", "after_epoch"])
+def test_steps_per_execution_with_step_checkpoints_resumes_exactly(
+    prepared: tuple[RecsysConfig, Workdir, Path],
+    monkeypatch: pytest.MonkeyPatch,
+    tmp_path: Path,
+    kill: str,
+) -> None:
+    """3 steps per call, a checkpoint every 4 steps (13 steps an epoch): backups after steps
+    5 and 11 and at the epoch end, each recording the last step done; a resume continues
+    after it: inside the epoch, or at the next epoch when killed after an epoch's end."""
+    config, _, data_dir = prepared
+    cfg = with_updates(
+        config,
+        training={"epochs": 3, "steps_per_execution": 3, "checkpoint_every_steps": 4},
+    )
+    backups: list[tuple[int, int]] = []
+    backup_call = trainer.BackupEveryStepsAndEpoch._backup
+
+    def recording_backup(
+        self: trainer.BackupEveryStepsAndEpoch, epoch: int, batch: int = 0
+    ) -> None:
+        backups.append((epoch, int(self._training_state._ckpt_saved_batch.numpy())))
+        backup_call(self, epoch, batch)
+
+    class Steps(tf.keras.callbacks.Callback):
+        """(epoch, first step) of every call; raises Killed where asked (after the backup)."""
+
+        def __init__(self, kill_at: tuple[int, int] | None) -> None:
+            super().__init__()
+            self.kill_at, self.calls, self.epoch = kill_at, [], 0
+
+        def on_epoch_begin(self, epoch: int, logs: object = None) -> None:
+            self.epoch = epoch
+
+        def on_train_batch_begin(self, batch: int, logs: object = None) -> None:
+            self.calls.append((self.epoch, batch))
+
+        def on_train_batch_end(self, batch: int, logs: object = None) -> None:
+            if (self.epoch, batch) == self.kill_at:
+                raise Killed
+
+    def kill_after_epoch_1(self: trainer.EpochLogger, epoch: int, logs: object = None) -> None:
+        if epoch == 0:  # after the epoch's backup
+            raise Killed
+
+    monkeypatch.setattr(trainer.BackupEveryStepsAndEpoch, "_backup", recording_backup)
+    if kill == "after_epoch":
+        monkeypatch.setattr(trainer.EpochLogger, "on_epoch_end", kill_after_epoch_1)
+    first = Steps((1, 8) if kill == "mid_epoch" else None)
+    backup = tmp_path / "backup"
+    with pytest.raises(Killed):
+        trainer.train(cfg, data_dir, backup_dir=backup, callbacks=[first])
+    assert first.calls[:5] == [(0, 0), (0, 3), (0, 6), (0, 9), (0, 12)]
+    assert backups[:3] == [(0, 5), (0, 11), (0, 12)]  # 12: the epoch's last step
+    tf.keras.backend.clear_session()
+    monkeypatch.setattr(trainer.EpochLogger, "on_epoch_end", lambda *args, **kwargs: None)
+    resumed = Steps(None)
+    result = trainer.train(cfg, data_dir, backup_dir=backup, callbacks=[resumed])
+    if kill == "mid_epoch":  # killed after step 8 of epoch 2, last backup after step 5
+        assert backups[3] == (1, 5)
+        assert resumed.calls[:3] == [(1, 6), (1, 9), (1, 12)]
+        assert len(result.history["loss"]) == 2
+    else:  # the finished epoch 1 is not trained (nor validated) again
+        assert resumed.calls[0] == (1, 0)
+        assert len(result.history["loss"]) == 2
 
 
 def test_is_chief_follows_tf_config(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -112,22 +112,45 @@ def in_memory_dataset(
     """The same batches as `training_dataset`, from the whole split held in memory.
 
     The split is read, parsed and looked up once; every epoch then draws a fresh permutation
-    of all its examples (a full shuffle, better mixed than a bounded buffer) and gathers each
-    batch with one op, so no epoch re-reads gzip records or refills a shuffle buffer.
+    of all its examples (a full shuffle, better mixed than a bounded buffer) in one op and
+    gathers each batch with one op, so no epoch re-reads gzip records or pushes the split
+    through a shuffle buffer (that alone delayed each epoch's first batch by ~0.1 s on
+    MovieLens 100K). With a seed the permutations are reproducible.
     """
     columns = load_indices(data_dir, split, model)
     n = len(columns[ITEM_INDEX])
     # Constants in the input graph: fine for the sizes `cache: auto` admits (GraphDefs < 2 GB).
     tensors = {name: tf.constant(values) for name, values in columns.items()}
-    ds = tf.data.Dataset.range(n)
     if shuffle:
-        ds = ds.shuffle(max(n, 1), seed=seed, reshuffle_each_iteration=True)
-    ds = ds.batch(batch_size, drop_remainder=drop_remainder)
+        ds = _permuted_batches(n, batch_size, seed, drop_remainder)
+    else:
+        ds = tf.data.Dataset.range(n).batch(batch_size, drop_remainder=drop_remainder)
     ds = ds.map(
         lambda rows: {name: tf.gather(t, rows) for name, t in tensors.items()},
         num_parallel_calls=tf.data.AUTOTUNE,
     )
     return ds.prefetch(tf.data.AUTOTUNE)
+
+
+def _permuted_batches(
+    n: int, batch_size: int, seed: int | None, drop_remainder: bool
+) -> tf.data.Dataset:
+    """Row-index batches of a new random permutation of range(n) every iteration (epoch)."""
+    steps = n // batch_size if drop_remainder else -(-n // batch_size)
+    padded = steps * batch_size  # < n when the remainder is dropped, >= n otherwise
+
+    def batches(epoch_seed: tf.Tensor) -> tf.Tensor:
+        order = tf.random.experimental.stateless_shuffle(
+            tf.range(n, dtype=tf.int64), seed=tf.stack([epoch_seed, tf.constant(0, tf.int64)])
+        )
+        order = tf.concat([order, tf.fill([max(padded - n, 0)], tf.constant(-1, tf.int64))], 0)
+        return tf.reshape(order[:padded], [steps, batch_size])
+
+    ds = tf.data.Dataset.random(seed=seed, rerandomize_each_iteration=True).take(1)
+    ds = ds.map(batches).unbatch()  # one [batch_size] row-index vector per step
+    if drop_remainder or padded == n:
+        return ds
+    return ds.map(lambda rows: rows[: tf.math.count_nonzero(rows >= 0)])  # -1s only at the end
 
 
 def load_indices(data_dir: Path, split: str, model: TrainedModel) -> dict[str, np.ndarray]:

@@ -234,16 +234,38 @@ class ValidationRecall(tf.keras.callbacks.Callback):
 
 
 class BackupEveryStepsAndEpoch(tf.keras.callbacks.BackupAndRestore):
-    """BackupAndRestore that, given a step frequency, also backs up at every epoch end.
+    """BackupAndRestore that, given a step frequency, also backs up at every epoch end, and
+    counts steps (not calls) under `steps_per_execution` > 1.
 
     Keras saves either every N steps or at epoch ends; a run killed between an epoch's end and
-    the next N-step mark would otherwise redo up to N steps of the finished epoch.
+    the next N-step mark would otherwise redo up to N steps of the finished epoch. With
+    several steps per call, Keras' callback counts calls (N calls = N x steps_per_execution
+    steps) and records the call's *first* step as the last one done, so a resume redid the
+    call's other steps, and a kill after an epoch's end resumed inside the finished epoch
+    (its validation and checkpoint callbacks ran twice). Here the recorded step is the last
+    one the call ran, and a backup happens at the first call end at or after every
+    `save_freq` steps.
     """
+
+    def on_train_batch_begin(self, batch: int, logs: dict[str, float] | None = None) -> None:
+        super().on_train_batch_begin(batch, logs)
+        self._call_first_step = batch
+
+    def on_train_batch_end(self, batch: int, logs: dict[str, float] | None = None) -> None:
+        # `batch` is the last step this call ran: resume continues after it.
+        self._training_state._ckpt_saved_batch.assign(batch)
+        self._training_state.backup_if_preempted()
+        if self.save_freq == "epoch":
+            return
+        self._batches_count += batch - getattr(self, "_call_first_step", batch) + 1
+        if self._batches_count >= self.save_freq:
+            self._batches_count = 0
+            self._backup(epoch=self._current_epoch, batch=batch)
 
     def on_epoch_end(self, epoch: int, logs: dict[str, float] | None = None) -> None:
         super().on_epoch_end(epoch, logs)
         if self.save_freq != "epoch":
-            # The saved batch counter is the epoch's last batch: resume starts the next epoch.
+            # The saved step is the epoch's last one: resume starts the next epoch.
             self._batches_count = 0
             self._backup(epoch=epoch)
 
@@ -373,9 +395,15 @@ def build_model(
     return trained, model
 
 
-def use_jit(setting: str, replicas: int) -> bool:
-    """`training.jit_compile`: auto compiles the step with XLA on one replica only."""
-    return setting == "on" or (setting == "auto" and replicas == 1)
+def use_jit(setting: str, replicas: int, gpus: int = 0) -> bool:
+    """`training.jit_compile`: auto compiles the step with XLA on one GPU only.
+
+    On CPU the uncompiled step is faster: it computes the in-batch softmax in cache-sized row
+    blocks (recsys/losses.py), a loop XLA cannot compile; XLA's fused TFRS task measured
+    1.6-2x slower per step (docs/BENCHMARKS.md). Several replicas: the all_gather stays
+    outside XLA.
+    """
+    return setting == "on" or (setting == "auto" and replicas == 1 and gpus > 0)
 
 
 def validation_callback(
@@ -428,7 +456,7 @@ def train(
     if tc.warm_start_from:
         previous = TrainedModel.load(Path(tc.warm_start_from))
     replicas = strategy.num_replicas_in_sync
-    jit = use_jit(tc.jit_compile, replicas)
+    jit = use_jit(tc.jit_compile, replicas, len(gpus))
     chief = is_chief(strategy)
     with strategy.scope():
         trained, model = build_model(config, data_dir, precision, jit)
