@@ -228,6 +228,9 @@ class ModelConfig(_Strict):
     share_item_embeddings: bool = True
     # Candidate tower: genres / title tokens from item_features.parquet when it has them.
     item_features: bool = True
+    # Query tower: one token per user side feature (user_features.parquet: age bucket, gender,
+    # occupation, ...) when the data has a user side file.
+    user_features: bool = False
     max_title_tokens: int = Field(16, ge=1)
     # Extra hard negatives (TFRS HardNegativeMining): keep only the top-N negatives per query.
     num_hard_negatives: int | None = Field(None, ge=1)

@@ -16,6 +16,7 @@ from collections import Counter
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import ClassVar, Self
 
 import numpy as np
 import tensorflow as tf
@@ -26,7 +27,7 @@ from recsys.config import ModelConfig
 from recsys.errors import ConfigError, DataError, StageNotReadyError
 from recsys.item_tokens import MAX_GENRES, PAD, genre_tokens, title_tokens, token_matrix
 from recsys.losses import in_batch_softmax_loss
-from recsys.schema import GENRES, TITLE
+from recsys.schema import GENRES, TITLE, USER_ID
 
 USER_INDEX = "user_index"
 ITEM_INDEX = "item_index"
@@ -71,12 +72,39 @@ def _embedding(rows: int, dim: int, l2: float, name: str) -> tf.keras.layers.Emb
     return tf.keras.layers.Embedding(rows, dim, embeddings_regularizer=regularizer, name=name)
 
 
+Baked = dict[str, tuple[np.ndarray, int]]
+"""Feature name -> (constant [rows, width] token-index table, token vocabulary size)."""
+
+
+def _bake_features(tower: tf.keras.Model, features: Baked | None, dim: int, l2: float) -> None:
+    """Give `tower` each feature's token table (a non-trainable variable) and token embedding.
+
+    The attribute and weight names are checkpoint keys (`feature_ids`, `feature_embeddings`).
+    """
+    tower.feature_names = sorted(features or {})
+    tower.feature_ids = {}
+    tower.feature_embeddings = {}
+    for name in tower.feature_names:
+        table, size = (features or {})[name]
+        tower.feature_ids[name] = tower.add_weight(
+            name=f"{name}_ids",
+            shape=table.shape,
+            dtype=tf.int32,
+            initializer=tf.constant_initializer(table),
+            trainable=False,
+        )
+        tower.feature_embeddings[name] = _embedding(max(size, 1), dim, l2, f"{name}_embedding")
+
+
 class QueryTower(tf.keras.Model):
-    """`q = normalize(MLP(U[u] + mean_{j in H(u)} V[j]))`.
+    """`q = normalize(MLP(U[u] + mean_{j in H(u)} V[j] + sum_f A_f[a_f(u)]))`.
 
     U is the (users + oov) x d user table; H(u) the user's last `history_length` items (index
     PAD ignored; an empty history adds the zero vector); V is the candidate tower's item table
     when `item_embedding` is given (shared), else the tower's own table of `num_items` rows.
+    For each user side feature f (age bucket, gender, occupation, ...) a_f(u) is the user's
+    token, baked into the tower by user index like the candidate tower's item features (a user
+    without one, or an out-of-vocabulary user, adds nothing).
     """
 
     def __init__(
@@ -89,6 +117,7 @@ class QueryTower(tf.keras.Model):
         item_embedding: tf.keras.layers.Embedding | None = None,
         num_items: int = 0,
         normalize: bool = True,
+        features: Baked | None = None,
         **kwargs: object,
     ) -> None:
         super().__init__(**kwargs)
@@ -102,12 +131,17 @@ class QueryTower(tf.keras.Model):
             self.history_embedding = item_embedding or _embedding(
                 num_items, embedding_dim, l2, "history_embedding"
             )
+        if features:  # only then: towers without user features keep their checkpoint keys
+            _bake_features(self, features, embedding_dim, l2)
         self.mlp = _mlp(hidden_dims)
 
     def call(self, inputs: dict[str, tf.Tensor]) -> tf.Tensor:
         x = self.embedding(inputs[USER_INDEX])
         if self.history_embedding is not None and HISTORY_INDEX in inputs:
             x = x + masked_mean(self.history_embedding, inputs[HISTORY_INDEX])
+        for name in getattr(self, "feature_names", ()):
+            ids = tf.gather(self.feature_ids[name], inputs[USER_INDEX])
+            x = x + masked_mean(self.feature_embeddings[name], ids)
         for layer in self.mlp:
             x = layer(x)
         return _output(x, self.normalize)
@@ -134,28 +168,14 @@ class CandidateTower(tf.keras.Model):
         embedding_dim: int,
         hidden_dims: Sequence[int] = (),
         l2: float = 0.0,
-        features: dict[str, tuple[np.ndarray, int]] | None = None,
+        features: Baked | None = None,
         normalize: bool = True,
         **kwargs: object,
     ) -> None:
         super().__init__(**kwargs)
         self.normalize = normalize
         self.embedding = _embedding(num_items, embedding_dim, l2, "embedding")
-        self.feature_names = sorted(features or {})
-        self.feature_ids: dict[str, tf.Variable] = {}
-        self.feature_embeddings: dict[str, tf.keras.layers.Embedding] = {}
-        for name in self.feature_names:
-            table, size = (features or {})[name]
-            self.feature_ids[name] = self.add_weight(
-                name=f"{name}_ids",
-                shape=table.shape,
-                dtype=tf.int32,
-                initializer=tf.constant_initializer(table),
-                trainable=False,
-            )
-            self.feature_embeddings[name] = _embedding(
-                max(size, 1), embedding_dim, l2, f"{name}_embedding"
-            )
+        _bake_features(self, features, embedding_dim, l2)
         self.mlp = _mlp(hidden_dims)
 
     def call(self, inputs: tf.Tensor | dict[str, tf.Tensor]) -> tf.Tensor:
@@ -304,14 +324,56 @@ def string_lookup(vocab: Sequence[str], oov_buckets: int) -> tf.keras.layers.Str
 
 
 @dataclass
-class ItemFeatures:
-    """Per-item token indices of each item feature, in item-vocabulary order.
+class FeatureTables:
+    """Per-row token indices of each side feature, in vocabulary order (items or users).
 
-    `ids[name]` is [num_items, width] int32 padded with PAD; `vocab[name]` lists the tokens.
+    `ids[name]` is [rows, width] int32 padded with PAD; `vocab[name]` lists the tokens.
     """
 
     ids: dict[str, np.ndarray] = field(default_factory=dict)
     vocab: dict[str, list[str]] = field(default_factory=dict)
+    STEM: ClassVar[str] = ""
+
+    def token_ids(self, name: str, per_row: Sequence[Sequence[str]]) -> np.ndarray:
+        """[n, width] indices of tokenised rows, as the trained table would hold them."""
+        return token_matrix(per_row, self.vocab[name], self.ids[name].shape[1])
+
+    def baked(self, oov: int) -> Baked:
+        """The towers' tables: OOV-bucket rows (no tokens) first, then the vocabulary's."""
+        return {
+            name: (
+                np.concatenate([np.full((oov, ids.shape[1]), PAD, np.int32), ids]),
+                len(self.vocab[name]),
+            )
+            for name, ids in self.ids.items()
+        }
+
+    def save(self, path: Path) -> None:
+        """`<STEM>.npz` (index matrices) and `<STEM>.json` (token vocabularies)."""
+        np.savez(path / f"{self.STEM}.npz", **self.ids)
+        (path / f"{self.STEM}.json").write_text(json.dumps(self.vocab), encoding="utf-8")
+
+    @classmethod
+    def load(cls, path: Path) -> Self:
+        """What `save` wrote; empty for a model saved without these features."""
+        if not (path / f"{cls.STEM}.json").is_file():
+            return cls()
+        with np.load(path / f"{cls.STEM}.npz", allow_pickle=False) as npz:
+            ids = {name: npz[name] for name in npz.files}
+        return cls(ids, json.loads((path / f"{cls.STEM}.json").read_text(encoding="utf-8")))
+
+
+def _shared_vocab(tokens: Sequence[Sequence[str]]) -> list[str]:
+    """Tokens of at least two rows, most frequent first (a token of one row is just an id)."""
+    counts = Counter(t for toks in tokens for t in set(toks))
+    return sorted((t for t, c in counts.items() if c >= 2), key=lambda t: (-counts[t], t))
+
+
+@dataclass
+class ItemFeatures(FeatureTables):
+    """Per-item token indices of each item feature (genres, title), in item-vocabulary order."""
+
+    STEM: ClassVar[str] = "item_features"
 
     @classmethod
     def from_parquet(cls, path: Path, items: Sequence[str], max_title_tokens: int) -> ItemFeatures:
@@ -331,9 +393,7 @@ class ItemFeatures:
             tokens[name] = [tokenize(table[name][row[i]]) if i in row else [] for i in items]
         features = cls()
         for name, per_item in tokens.items():
-            counts = Counter(t for toks in per_item for t in set(toks))
-            # A token of one item only is another item id: it adds parameters, not sharing.
-            vocab = sorted((t for t, c in counts.items() if c >= 2), key=lambda t: (-counts[t], t))
+            vocab = _shared_vocab(per_item)
             if not vocab:
                 continue
             width = MAX_GENRES if name == GENRES else max_title_tokens
@@ -341,23 +401,56 @@ class ItemFeatures:
             features.vocab[name] = vocab
         return features
 
-    def token_ids(self, name: str, per_item: Sequence[Sequence[str]]) -> np.ndarray:
-        """[n, width] indices of tokenised items, as the trained table would hold them."""
-        return token_matrix(per_item, self.vocab[name], self.ids[name].shape[1])
 
-    def save(self, path: Path) -> None:
-        """`item_features.npz` (id matrices) and `item_features.json` (token vocabularies)."""
-        np.savez(path / "item_features.npz", **self.ids)
-        (path / "item_features.json").write_text(json.dumps(self.vocab), encoding="utf-8")
+USER_FEATURE_BUCKETS = 10
+"""Numeric user features (e.g. age) become this many quantile buckets, `q0` to `q9`."""
+
+
+@dataclass
+class UserFeatures(FeatureTables):
+    """Per-user token of each user side feature (one per column), in user-vocabulary order.
+
+    A text column's token is its value; a numeric column's (every value a number, more distinct
+    values than buckets) is its quantile bucket over the users. Values of one user only are
+    dropped like rare item tokens.
+    """
+
+    STEM: ClassVar[str] = "user_features"
 
     @classmethod
-    def load(cls, path: Path) -> ItemFeatures:
-        """What `save` wrote; empty for a model saved without item features."""
-        if not (path / "item_features.json").is_file():
+    def from_parquet(cls, path: Path, users: Sequence[str]) -> UserFeatures:
+        """Tokens of `users` from the Beam job's user_features.parquet (absent file: none)."""
+        import pyarrow.parquet as pq
+
+        if not path.is_file():
             return cls()
-        with np.load(path / "item_features.npz", allow_pickle=False) as npz:
-            ids = {name: npz[name] for name in npz.files}
-        return cls(ids, json.loads((path / "item_features.json").read_text(encoding="utf-8")))
+        table = pq.read_table(path).to_pydict()
+        row = {user: i for i, user in enumerate(table.pop(USER_ID))}
+        features = cls()
+        for name, values in table.items():
+            tokens = _user_tokens([values[row[u]] if u in row else None for u in users])
+            vocab = _shared_vocab(tokens)
+            if vocab:
+                features.ids[name] = token_matrix(tokens, vocab, 1)
+                features.vocab[name] = vocab
+        return features
+
+
+def _user_tokens(values: Sequence[str | None]) -> list[list[str]]:
+    """One token list per user: the stripped value, or its quantile bucket if numeric."""
+    text = [v.strip() if isinstance(v, str) and v.strip() else None for v in values]
+    present = [v for v in text if v is not None]
+    try:
+        numbers = np.array([float(v) for v in present])
+    except ValueError:
+        numbers = None
+    if numbers is None or len(np.unique(numbers)) <= USER_FEATURE_BUCKETS:
+        return [[v] if v is not None else [] for v in text]
+    edges = np.quantile(numbers, np.linspace(0, 1, USER_FEATURE_BUCKETS + 1)[1:-1])
+    return [
+        [f"q{int(np.searchsorted(edges, float(v), side='right'))}"] if v is not None else []
+        for v in text
+    ]
 
 
 def pad_histories(
@@ -393,6 +486,7 @@ class TrainedModel:
     query_tower: QueryTower
     candidate_tower: CandidateTower
     item_features: ItemFeatures = field(default_factory=ItemFeatures)
+    user_features: UserFeatures = field(default_factory=UserFeatures)
 
     @classmethod
     def build(
@@ -401,22 +495,17 @@ class TrainedModel:
         items: list[str],
         config: ModelConfig,
         item_features: ItemFeatures | None = None,
+        user_features: UserFeatures | None = None,
     ) -> TrainedModel:
         """Fresh (untrained) towers sized for the vocabularies (under the current dtype policy)."""
         oov = config.oov_buckets
         item_features = item_features if config.item_features and item_features else ItemFeatures()
-        features = {
-            name: (
-                np.concatenate([np.full((oov, ids.shape[1]), PAD, np.int32), ids]),
-                len(item_features.vocab[name]),
-            )
-            for name, ids in item_features.ids.items()
-        }
+        user_features = user_features if config.user_features and user_features else UserFeatures()
         dims = (config.embedding_dim, config.hidden_dims, config.l2_regularization)
         cand = CandidateTower(
             len(items) + oov,
             *dims,
-            features=features,
+            features=item_features.baked(oov),
             normalize=config.normalize,
             name="candidate_tower",
         )
@@ -427,11 +516,12 @@ class TrainedModel:
             item_embedding=cand.embedding if config.share_item_embeddings else None,
             num_items=len(items) + oov,
             normalize=config.normalize,
+            features=user_features.baked(oov),
             name="query_tower",
         )
         query(_dummy_query(config))
         cand(tf.zeros([1], tf.int64))
-        return cls(users, items, config, query, cand, item_features)
+        return cls(users, items, config, query, cand, item_features, user_features)
 
     def user_lookup(self) -> tf.keras.layers.StringLookup:
         return string_lookup(self.users, self.config.oov_buckets)
@@ -529,6 +619,7 @@ class TrainedModel:
         (path / "items.txt").write_text("\n".join(self.items) + "\n", encoding="utf-8")
         (path / "model.json").write_text(json.dumps(self.config.model_dump(), indent=2))
         self.item_features.save(path)
+        self.user_features.save(path)
         self.query_tower.save_weights(str(path / "query" / "weights"))
         self.candidate_tower.save_weights(str(path / "candidate" / "weights"))
 
@@ -547,6 +638,7 @@ class TrainedModel:
             read_vocab(path / "items.txt"),
             config,
             ItemFeatures.load(path),
+            UserFeatures.load(path),
         )
         for name, tower in (("query", model.query_tower), ("candidate", model.candidate_tower)):
             status = tower.load_weights(str(path / name / "weights"))
@@ -561,7 +653,12 @@ class TrainedModel:
         return model
 
 
-_ADDED_OFF = {"history_length": 0, "item_features": False, "normalize": True}
+_ADDED_OFF = {
+    "history_length": 0,
+    "item_features": False,
+    "normalize": True,
+    "user_features": False,
+}
 """ModelConfig keys added after the first saved models, with the value that means 'absent'
 (models saved before `normalize` existed were always normalised)."""
 
@@ -638,15 +735,19 @@ def warm_start(model: TrainedModel, previous: TrainedModel) -> dict[str, int]:
             previous.items,
             oov,
         )
-    for name, layer in c.feature_embeddings.items():
-        if name in pc.feature_embeddings:
-            copied[name] = _map_rows(
-                layer.embeddings,
-                pc.feature_embeddings[name].embeddings.numpy(),
-                model.item_features.vocab[name],
-                previous.item_features.vocab[name],
-                0,
-            )
+    for tower, old, new_vocab, old_vocab in (
+        (c, pc, model.item_features.vocab, previous.item_features.vocab),
+        (q, pq_, model.user_features.vocab, previous.user_features.vocab),
+    ):
+        for name, layer in getattr(tower, "feature_embeddings", {}).items():
+            if name in getattr(old, "feature_embeddings", {}):
+                copied[name] = _map_rows(
+                    layer.embeddings,
+                    old.feature_embeddings[name].embeddings.numpy(),
+                    new_vocab[name],
+                    old_vocab[name],
+                    0,
+                )
     for tower, old in ((q, pq_), (c, pc)):
         for layer, old_layer in zip(tower.mlp, old.mlp, strict=False):
             if [w.shape for w in layer.weights] == [w.shape for w in old_layer.weights]:

@@ -23,7 +23,14 @@ from recsys import evaluation as ev
 from recsys import schema
 from recsys.config import EvaluationConfig, RecsysConfig, TrainingConfig
 from recsys.errors import ConfigError, OutOfMemoryError
-from recsys.model import ItemFeatures, TrainedModel, TwoTowerModel, read_vocab, warm_start
+from recsys.model import (
+    ItemFeatures,
+    TrainedModel,
+    TwoTowerModel,
+    UserFeatures,
+    read_vocab,
+    warm_start,
+)
 from recsys.training.dataset import (
     in_memory_bytes,
     in_memory_dataset,
@@ -378,9 +385,12 @@ def build_model(
         features = ItemFeatures.from_parquet(
             data_dir / "item_features.parquet", items, config.model.max_title_tokens
         )
+    user_features = UserFeatures()
+    if config.model.user_features:
+        user_features = UserFeatures.from_parquet(data_dir / "user_features.parquet", users)
     tf.keras.mixed_precision.set_global_policy(precision)
     try:
-        trained = TrainedModel.build(users, items, config.model, features)
+        trained = TrainedModel.build(users, items, config.model, features, user_features)
     finally:
         tf.keras.mixed_precision.set_global_policy("float32")
     model = TwoTowerModel(trained.query_tower, trained.candidate_tower, config.model)
