@@ -25,6 +25,8 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from recsys.schema import GENRES, TITLE
+
 if TYPE_CHECKING:
     import tensorflow as tf
 
@@ -94,3 +96,9 @@ def graph_token_matrix(
     repeat = tf.reduce_any(tf.equal(dense[:, :, None], dense[:, None, :]) & earlier[None], axis=2)
     kept = tf.ragged.boolean_mask(dense, (dense >= 0) & ~repeat)
     return kept[:, :width].to_tensor(default_value=PAD, shape=[None, width])
+
+
+TOKENIZERS = {GENRES: genre_tokens, TITLE: title_tokens}
+"""Item feature name -> its Python tokeniser (one raw value -> tokens)."""
+GRAPH_TOKENIZERS = {GENRES: graph_genre_tokens, TITLE: graph_title_tokens}
+"""Item feature name -> its graph tokeniser (a batch of raw values -> ragged tokens)."""

@@ -25,16 +25,15 @@ import tensorflow_recommenders as tfrs
 import recsys  # noqa: F401  (sets TF_USE_LEGACY_KERAS before TensorFlow is imported)
 from recsys.config import ModelConfig
 from recsys.errors import ConfigError, DataError, StageNotReadyError
-from recsys.item_tokens import MAX_GENRES, PAD, genre_tokens, title_tokens, token_matrix
+from recsys.item_tokens import MAX_GENRES, PAD, TOKENIZERS, token_matrix
 from recsys.losses import in_batch_softmax_loss
-from recsys.schema import GENRES, TITLE, USER_ID
+from recsys.schema import GENRES, ITEM_FEATURES, USER_ID
 
 USER_INDEX = "user_index"
 ITEM_INDEX = "item_index"
 HISTORY_INDEX = "history_index"
 ITEM_LOG_PROB = "item_log_prob"
-ITEM_FEATURE_COLUMNS = (GENRES, TITLE)
-TOKENIZERS = {GENRES: genre_tokens, TITLE: title_tokens}
+ITEM_FEATURE_COLUMNS = tuple(f.name for f in ITEM_FEATURES)
 
 
 def feature_index(name: str) -> str:

@@ -37,7 +37,7 @@ import numpy as np
 import tensorflow as tf
 
 from recsys import schema
-from recsys.item_tokens import graph_genre_tokens, graph_title_tokens, graph_token_matrix
+from recsys.item_tokens import GRAPH_TOKENIZERS, graph_token_matrix
 from recsys.layout import atomic_dir
 from recsys.model import (
     HISTORY_INDEX,
@@ -195,12 +195,9 @@ class ItemInputs(tf.Module):
     ) -> dict[str, tf.Tensor]:
         index = self.item_lookup(item_id)
         inputs = {ITEM_INDEX: index}
-        tokenized = {
-            GENRES: lambda: graph_genre_tokens(genres),
-            TITLE: lambda: graph_title_tokens(title),
-        }
+        raw = {GENRES: genres, TITLE: title}
         for name, lookup in self.token_lookups.items():
-            tokens = tokenized[name]()
+            tokens = GRAPH_TOKENIZERS[name](raw[name])
             table = self.catalog_tokens[name]
             ids = graph_token_matrix(tokens, lambda t, lookup=lookup: lookup(t) - 1, table.shape[1])
             has_tokens = tokens.row_lengths()[:, None] > 0
