@@ -1,0 +1,265 @@
+"""Analysis of an A/B test from its per-user table: metrics, SRM, day-by-day looks, decision.
+
+Metrics: every outcome column is a mean-per-user metric; `clicks` with `impressions` also make
+the ratio metric `ctr` (delta method), the default primary metric. CUPED applies when users
+have pre-period data. The decision uses the always-valid interval (running intersection of
+the daily confidence sequences), so reading it every day does not inflate false positives.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import math
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import numpy as np
+import pandas as pd
+
+from recsys.ab import stats
+from recsys.ab.definition import ExperimentDefinition
+from recsys.ab.events import PRE, UserTable
+from recsys.errors import ConfigError
+
+RATIO_METRICS = {"ctr": ("clicks", "impressions")}
+
+
+@dataclass
+class DailyPoint:
+    """One look: the cumulative effect up to a day (relative lift and its two intervals)."""
+
+    day: str
+    users: int
+    rel: float
+    rel_low: float
+    rel_high: float
+    seq_rel_low: float
+    seq_rel_high: float
+
+
+@dataclass
+class MetricResult:
+    """One metric's comparison (treatment - control)."""
+
+    name: str
+    kind: str
+    cuped: bool
+    control: float
+    treatment: float
+    diff: float
+    ci_low: float
+    ci_high: float
+    p_value: float
+    rel: float
+    rel_low: float
+    rel_high: float
+    seq_low: float
+    seq_high: float
+    seq_p_value: float
+    mde: float
+    daily: list[DailyPoint] = field(default_factory=list)
+
+    @property
+    def significant(self) -> bool:
+        """The always-valid interval excludes zero."""
+        return self.seq_low > 0 or self.seq_high < 0
+
+
+@dataclass
+class Decision:
+    """The outcome: a winning variant, or none and why (too_early, not_significant, srm, ...)."""
+
+    winner: str | None
+    status: str
+    reason: str
+
+    def line(self, experiment: str) -> str:
+        """The one line that ends an analysis."""
+        if self.winner:
+            return f"decision for {experiment}: {self.winner} wins ({self.reason})"
+        why = self.status.replace("_", " ")
+        return f"decision for {experiment}: no decision, {why} ({self.reason})"
+
+
+@dataclass
+class Analysis:
+    """Everything an analysis found."""
+
+    experiment: str
+    control: str
+    treatment: str
+    primary: str
+    users: dict[str, int]
+    shares: dict[str, float]
+    srm_p_value: float
+    days: int
+    first_day: str
+    last_day: str
+    metrics: dict[str, MetricResult]
+    decision: Decision
+    notes: list[str]
+
+    def to_dict(self) -> dict[str, Any]:
+        """A JSON-ready record (analysis.json)."""
+        return asdict(self)
+
+
+def metric_columns(outcomes: list[str]) -> dict[str, tuple[str, str | None]]:
+    """Each metric's numerator and denominator columns (None: mean per user)."""
+    specs: dict[str, tuple[str, str | None]] = {c: (c, None) for c in outcomes}
+    for name, (num, den) in RATIO_METRICS.items():
+        if num in outcomes and den in outcomes and name not in specs:
+            specs[name] = (num, den)
+    return specs
+
+
+def default_primary(outcomes: list[str]) -> str:
+    """`ctr` when clicks and impressions are logged, else the first outcome column."""
+    specs = metric_columns(outcomes)
+    return "ctr" if "ctr" in specs else outcomes[0]
+
+
+def analyze(table: UserTable, definition: ExperimentDefinition) -> Analysis:
+    """Analyse the experiment as of the last day in the log."""
+    control, treatment = definition.control, definition.treatment
+    specs = metric_columns(table.outcomes)
+    primary = definition.primary_metric or default_primary(table.outcomes)
+    for name in [primary, *definition.guardrails]:
+        if name not in specs:
+            raise ConfigError(
+                f"experiment {definition.name}: metric {name!r} is not in the log "
+                f"(metrics: {sorted(specs)})"
+            )
+    cuped = table.has_pre_period
+    looks = [(day, table.upto(day)) for day in table.days]
+    metrics = {
+        name: _metric(name, cols, looks, control, treatment, definition, cuped)
+        for name, cols in specs.items()
+    }
+    users = {v: int((table.users["variant"] == v).sum()) for v in (control, treatment)}
+    shares = {v: definition.shares()[v] for v in (control, treatment)}
+    srm_p = stats.srm_p_value(np.array(list(users.values())), np.array(list(shares.values())))
+    first = definition.start or table.days[0]
+    days = (table.days[-1] - first).days + 1
+    notes = list(table.notes) + ([] if cuped else ["no pre-period data: CUPED not applied"])
+    decision = decide(metrics, primary, definition, srm_p, users, days)
+    return Analysis(
+        definition.name, control, treatment, primary, users, shares, srm_p, days,
+        first.isoformat(), table.days[-1].isoformat(), metrics, decision, notes,
+    )  # fmt: skip
+
+
+def _moments(frame: pd.DataFrame, columns: list[str]) -> stats.Moments:
+    return stats.Moments.of(frame[columns].to_numpy(dtype=np.float64))
+
+
+def _metric(
+    name: str,
+    cols: tuple[str, str | None],
+    looks: list[tuple[dt.date, pd.DataFrame]],
+    control: str,
+    treatment: str,
+    definition: ExperimentDefinition,
+    cuped: bool,
+) -> MetricResult:
+    num, den = cols
+    columns = [num] + ([den] if den else [])
+    if cuped:
+        columns += [PRE + num] + ([PRE + den] if den else [])
+    idx = {c: i for i, c in enumerate(columns)}
+    spec = stats.MetricColumns(
+        idx[num], idx.get(den) if den else None,
+        idx.get(PRE + num) if cuped else None, idx.get(PRE + den) if cuped and den else None,
+    )  # fmt: skip
+    points, effects = [], []
+    for day, frame in looks:
+        a = frame[frame["variant"] == control]
+        b = frame[frame["variant"] == treatment]
+        if len(a) < 2 or len(b) < 2:
+            continue
+        arms = stats.arms(_moments(a, columns), _moments(b, columns), spec)
+        eff = stats.effect(arms, alpha=definition.alpha, tau_sd=definition.tau_sd)
+        effects.append((arms, eff))
+        base = float(eff.control)
+        points.append(DailyPoint(
+            day.isoformat(), len(a) + len(b), float(eff.rel), float(eff.rel_low),
+            float(eff.rel_high), float(eff.seq_low) / base, float(eff.seq_high) / base,
+        ))  # fmt: skip
+    if not effects:
+        raise ConfigError(
+            f"experiment {definition.name}: fewer than 2 users in {control!r} or {treatment!r}"
+        )
+    arms, last = effects[-1]
+    # Always valid over the looks: the running intersection of the daily sequences.
+    seq_low = max(float(e.seq_low) for _, e in effects)
+    seq_high = min(float(e.seq_high) for _, e in effects)
+    seq_p = min(float(e.seq_p_value) for _, e in effects)
+    pooled_var = float((arms.var_c * arms.n_c + arms.var_t * arms.n_t) / (arms.n_c + arms.n_t))
+    mde = float(stats.mde(pooled_var, float(arms.n_c), float(arms.n_t),
+                          alpha=definition.alpha, power=definition.power))  # fmt: skip
+    return MetricResult(
+        name, "ratio" if den else "mean", cuped, float(last.control), float(last.treatment),
+        float(last.diff), float(last.ci_low), float(last.ci_high), float(last.p_value),
+        float(last.rel), float(last.rel_low), float(last.rel_high), seq_low, seq_high, seq_p,
+        mde, points,
+    )  # fmt: skip
+
+
+def decide(
+    metrics: dict[str, MetricResult],
+    primary: str,
+    definition: ExperimentDefinition,
+    srm_p: float,
+    users: dict[str, int],
+    days: int,
+) -> Decision:
+    """Winner on the primary metric, or no decision: SRM, too early, guardrail, not significant."""
+    if srm_p < stats.SRM_ALPHA:
+        shares = {v: round(s, 4) for v, s in definition.shares().items()}
+        return Decision(
+            None, "srm",
+            f"sample ratio mismatch: users {users} vs split {shares}, chi-square "
+            f"p={srm_p:.2g} < {stats.SRM_ALPHA}; fix assignment or logging before reading results",
+        )  # fmt: skip
+    result = metrics[primary]
+    rel = f"{primary} {result.rel:+.2%} (always-valid {1 - definition.alpha:.0%} interval "
+    rel += f"[{result.seq_low:+.4g}, {result.seq_high:+.4g}], p={result.seq_p_value:.3g})"
+    if days < definition.min_days:
+        return Decision(None, "too_early", f"day {days} of at least {definition.min_days}; {rel}")
+    if result.significant:
+        winner = definition.treatment if result.diff > 0 else definition.control
+        broken = _guardrail_failures(metrics, definition)
+        if winner == definition.treatment and broken:
+            return Decision(None, "guardrail", "; ".join(broken) + f"; {rel}")
+        return Decision(winner, "winner", rel)
+    if days < definition.planned_days:
+        return Decision(
+            None, "too_early",
+            f"not significant yet, day {days} of {definition.planned_days} planned; {rel}; "
+            f"detectable now at 80% power: {result.mde:.4g}",
+        )  # fmt: skip
+    return Decision(
+        None, "not_significant",
+        f"no significant difference after {days} days; {rel}; "
+        f"effects below {result.mde:.4g} were not detectable",
+    )  # fmt: skip
+
+
+def _guardrail_failures(
+    metrics: dict[str, MetricResult], definition: ExperimentDefinition
+) -> list[str]:
+    broken = []
+    for name, tolerance in sorted(definition.guardrails.items()):
+        m = metrics[name]
+        # Worse beyond tolerance with always-valid confidence: the whole interval is below it.
+        if m.control and m.seq_high / abs(m.control) < -tolerance:
+            broken.append(
+                f"guardrail {name} regressed: {m.rel:+.2%}, interval upper bound "
+                f"{m.seq_high / abs(m.control):+.2%} < -{tolerance:.2%}"
+            )
+    return broken
+
+
+def is_finite(result: MetricResult) -> bool:
+    """Whether every number of a metric is finite (NaN blocks a decision)."""
+    return all(math.isfinite(v) for v in (result.diff, result.ci_low, result.ci_high))
