@@ -83,9 +83,12 @@ def _parser() -> argparse.ArgumentParser:
     )
     cmp.add_argument("--output", help="report folder (default: <workdir>/comparisons/<time>)")
     cmp.add_argument("--no-log", action="store_true", help="do not log the report to MLflow")
-    ab = sub.add_parser("ab", help="online A/B test results")
+    ab = sub.add_parser("ab", help="online A/B tests: assign users, analyse the log, decide")
     ab_sub = ab.add_subparsers(dest="ab_command", required=True)
-    rec = ab_sub.add_parser("record", parents=[common], help="log an observed online metric")
+    _ab_parsers(ab_sub, common)
+    rec = ab_sub.add_parser(
+        "record", parents=[common], help="(deprecated: use `ab analyze`) log one online number"
+    )
     rec.add_argument("--experiment", required=True, help="A/B experiment name")
     rec.add_argument("--variant", required=True, choices=["A", "B"])
     rec.add_argument("--metric", required=True, help="e.g. ctr, watch_time")
@@ -102,6 +105,34 @@ def _parser() -> argparse.ArgumentParser:
         "--output", help="output folder (default: <workdir>/embeddings-export/<V>-<format>)"
     )
     return parser
+
+
+def _ab_parsers(ab_sub: Any, common: argparse.ArgumentParser) -> None:
+    definition = argparse.ArgumentParser(add_help=False)
+    definition.add_argument("--experiment", required=True, help="A/B experiment name")
+    definition.add_argument("--definition", help="experiment definition YAML (docs/AB_TESTING.md)")
+    asg = ab_sub.add_parser(
+        "assign", parents=[common, definition], help="variant of every user in a file (+ MLflow)"
+    )
+    asg.add_argument("--users", required=True, help="user ids: text (one a line), CSV or Parquet")
+    asg.add_argument("--output", help="CSV user_id,variant,bucket (default: <workdir>/ab/...)")
+    asg.add_argument("--variants", help="variant=model pairs, control first (A=champion,B=v7)")
+    asg.add_argument("--split", help="variant=share pairs of all traffic (A=0.45,B=0.45)")
+    asg.add_argument("--holdout", type=float, help="share of users held out of the experiment")
+    asg.add_argument("--salt", help="hash salt (change it to reshuffle users)")
+    asg.add_argument("--start", help="first day of the experiment, YYYY-MM-DD")
+    asg.add_argument("--primary-metric", help="default: ctr when clicks and impressions exist")
+    asg.add_argument("--no-log", action="store_true", help="do not record it in MLflow")
+    ana = ab_sub.add_parser(
+        "analyze", parents=[common, definition], help="analyse an exposure/outcome log"
+    )
+    ana.add_argument("--events", required=True, help="Parquet or CSV: user_id, variant, ...")
+    ana.add_argument("--pre-events", help="pre-period log of the same users (CUPED)")
+    ana.add_argument("--output", help="report folder (default: <workdir>/ab/<name>/<time>)")
+    ana.add_argument(
+        "--promote", action="store_true", help="move `champion` to the winner, if there is one"
+    )
+    ana.add_argument("--no-log", action="store_true", help="do not log the analysis to MLflow")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -210,6 +241,8 @@ def _run_stage(args: argparse.Namespace, config: Any, workdir: Any, date: Any) -
         _compare(args, config, workdir)
     elif args.command == "embeddings":
         _embeddings(args, workdir)
+    elif args.command == "ab" and args.ab_command != "record":
+        _ab(args, config, workdir)
     elif args.command == "ab":
         from recsys.tracking import record_ab_metric
 
@@ -224,8 +257,48 @@ def _run_stage(args: argparse.Namespace, config: Any, workdir: Any, date: Any) -
             model_run_id=args.run_id,
         )
         print(f"recorded {args.metric}={args.value} for variant {args.variant} (run {run_id})")
+        print(
+            "note: `recsys ab record` is deprecated: log exposures and outcomes and run "
+            "`recsys ab analyze` (docs/AB_TESTING.md)",
+            file=sys.stderr,
+        )
     # Both gate outcomes (promote, keep) are successful runs: exit code 0.
     return 0
+
+
+def _ab(args: argparse.Namespace, config: Any, workdir: Any) -> None:
+    import datetime as dt
+
+    from recsys.ab import workflow
+
+    stamp = f"{dt.datetime.now(dt.UTC):%Y%m%dT%H%M%SZ}"
+    folder = workdir.root / "ab" / args.experiment
+    if args.ab_command == "assign":
+        definition = workflow.definition_from_options(
+            args.experiment,
+            Path(args.definition) if args.definition else None,
+            variants=args.variants, split=args.split, holdout=args.holdout, salt=args.salt,
+            start=args.start, primary_metric=args.primary_metric,
+        )  # fmt: skip
+        output = Path(args.output) if args.output else folder / f"assignment-{stamp}.csv"
+        path, counts, pinned = workflow.assign_file(
+            config, workdir.root, definition, Path(args.users), output,
+            log_to_mlflow=not args.no_log,
+        )  # fmt: skip
+        print(f"assignment: {path}")
+        print("users:      " + ", ".join(f"{v} {n}" for v, n in counts.items()))
+        models = ", ".join(f"{v}={m} (version {pinned.versions.get(v, '?')})"
+                           for v, m in pinned.variants.items())  # fmt: skip
+        print(f"models:     {models}")
+        return
+    result = workflow.analyze_experiment(
+        config, workdir.root, args.experiment, Path(args.events),
+        Path(args.output) if args.output else folder / stamp,
+        definition_path=Path(args.definition) if args.definition else None,
+        pre_events=Path(args.pre_events) if args.pre_events else None,
+        promote=args.promote, log_to_mlflow=not args.no_log,
+    )  # fmt: skip
+    print(workflow.format_report(result))
 
 
 def _embeddings(args: argparse.Namespace, workdir: Any) -> None:

@@ -2,8 +2,8 @@
 
 Metrics: every outcome column is a mean-per-user metric; `clicks` with `impressions` also make
 the ratio metric `ctr` (delta method), the default primary metric. CUPED applies when users
-have pre-period data. The decision uses the always-valid interval (running intersection of
-the daily confidence sequences), so reading it every day does not inflate false positives.
+have pre-period data. The decision uses the always-valid interval (the mixture-SPRT confidence
+sequence at today's look), so reading it every day does not inflate false positives.
 """
 
 from __future__ import annotations
@@ -190,9 +190,12 @@ def _metric(
             f"experiment {definition.name}: fewer than 2 users in {control!r} or {treatment!r}"
         )
     arms, last = effects[-1]
-    # Always valid over the looks: the running intersection of the daily sequences.
-    seq_low = max(float(e.seq_low) for _, e in effects)
-    seq_high = min(float(e.seq_high) for _, e in effects)
+    # The interval is today's look at the confidence sequence (not the intersection over days:
+    # a per-user sum grows with exposure, so its effect is not one fixed number across days).
+    # Under "no effect on any day" a look excluding 0 has probability <= alpha whichever day
+    # it happens, so deciding on today's look keeps the false-positive rate; the reported
+    # p-value is the always-valid one, the running minimum over all looks.
+    seq_low, seq_high = float(last.seq_low), float(last.seq_high)
     seq_p = min(float(e.seq_p_value) for _, e in effects)
     pooled_var = float((arms.var_c * arms.n_c + arms.var_t * arms.n_t) / (arms.n_c + arms.n_t))
     mde = float(stats.mde(pooled_var, float(arms.n_c), float(arms.n_t),
@@ -222,7 +225,8 @@ def decide(
             f"p={srm_p:.2g} < {stats.SRM_ALPHA}; fix assignment or logging before reading results",
         )  # fmt: skip
     result = metrics[primary]
-    rel = f"{primary} {result.rel:+.2%} (always-valid {1 - definition.alpha:.0%} interval "
+    rel = f"{primary} {result.rel:+.2%}, difference {result.diff:+.4g} (always-valid "
+    rel += f"{1 - definition.alpha:.0%} interval "
     rel += f"[{result.seq_low:+.4g}, {result.seq_high:+.4g}], p={result.seq_p_value:.3g})"
     if days < definition.min_days:
         return Decision(None, "too_early", f"day {days} of at least {definition.min_days}; {rel}")

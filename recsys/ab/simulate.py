@@ -11,8 +11,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import numpy as np
+import pandas as pd
 
 from recsys.ab import stats
+from recsys.ab.assignment import assign_many
 
 
 @dataclass(frozen=True)
@@ -83,3 +85,41 @@ def _truth(base_ctr: float, lift: float, sd: float, days: int) -> tuple[float, f
 def moments_by_day(values: np.ndarray, arrived: np.ndarray, cols: list[int]) -> stats.Moments:
     """Moments over arrived users of the chosen columns: (E, days, users, 4) -> (E, days)."""
     return stats.Moments.of(values[..., cols], arrived)
+
+
+def event_log(
+    rng: np.random.Generator,
+    *,
+    users: int,
+    days: int,
+    start: str = "2026-01-01",
+    lift: float = 0.0,
+    experiment: str = "sim",
+    drop_treatment: float = 0.0,
+    pre_days: int = 7,
+) -> pd.DataFrame:
+    """An exposure log (one row per user-day) with a pre-period, assigned by the real hash.
+
+    Columns user_id, variant, timestamp, clicks, impressions, watch_seconds; rows before
+    `start` are the pre-period. `drop_treatment` loses that share of B's users (an SRM).
+    """
+    ids = [f"u{i}" for i in range(users)]
+    variant = np.array(assign_many(ids, experiment, {"A": 0.5, "B": 0.5}))
+    keep = ~((variant == "B") & (rng.random(users) < drop_treatment))
+    propensity = rng.lognormal(-0.32, 0.8, size=users)
+    activity = rng.gamma(2.0, 5.0, size=users)
+    first = rng.integers(0, days, size=users)
+    day0 = pd.Timestamp(start, tz="UTC")
+    rows = []
+    for day in range(-pre_days, days):
+        active = keep & ((day < 0) | (day >= first))
+        effect = np.where((day >= 0) & (variant == "B"), 1 + lift, 1.0)
+        imp = rng.poisson(activity)
+        clk = rng.binomial(imp, np.clip(0.05 * propensity * effect, 0, 1))
+        watch = rng.gamma(1.0, 30.0 * propensity * effect)
+        stamp = day0 + pd.Timedelta(days=day, hours=12)
+        rows.append(pd.DataFrame({
+            "user_id": np.array(ids)[active], "variant": variant[active], "timestamp": stamp,
+            "clicks": clk[active], "impressions": imp[active], "watch_seconds": watch[active],
+        }))  # fmt: skip
+    return pd.concat(rows, ignore_index=True)

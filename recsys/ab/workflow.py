@@ -20,7 +20,7 @@ from recsys.ab.chart import lift_chart
 from recsys.ab.definition import ExperimentDefinition, load_definition, make_definition
 from recsys.ab.events import read_log, user_table
 from recsys.config import RecsysConfig
-from recsys.errors import DataError, TrackingError
+from recsys.errors import ConfigError, DataError, TrackingError
 from recsys.redact import redact_text
 from recsys.tracking import bounded_http_retries, connect, ensure_experiment, resolve_tracking_uri
 
@@ -51,6 +51,72 @@ def _mlflow(config: RecsysConfig, workdir: Path) -> Iterator[tuple[MlflowClient,
             f"could not use MLflow at {redact_text(uri)} ({type(exc).__name__}: "
             f"{redact_text(first)}); check the server (mlflow/README.md)"
         ) from None
+
+
+def _pairs(text: str | None, option: str) -> dict[str, str] | None:
+    if not text:
+        return None
+    out = {}
+    for part in text.split(","):
+        name, sep, value = part.partition("=")
+        if not sep or not name.strip() or not value.strip():
+            raise ConfigError(f"{option} {text!r}: expected name=value pairs, e.g. A=0.5,B=0.5")
+        out[name.strip()] = value.strip()
+    return out
+
+
+def definition_from_options(
+    name: str,
+    path: Path | None,
+    *,
+    variants: str | None = None,
+    split: str | None = None,
+    holdout: float | None = None,
+    salt: str | None = None,
+    start: str | None = None,
+    primary_metric: str | None = None,
+) -> ExperimentDefinition:
+    """A definition from a YAML file and/or command-line options (options win)."""
+    shares = _pairs(split, "--split")
+    try:
+        numbers = {k: float(v) for k, v in shares.items()} if shares else None
+    except ValueError:
+        raise ConfigError(f"--split {split!r}: shares must be numbers") from None
+    options = {
+        "name": name, "variants": _pairs(variants, "--variants"), "split": numbers,
+        "holdout": holdout, "salt": salt, "start": start, "primary_metric": primary_metric,
+    }  # fmt: skip
+    if path is not None:
+        return load_definition(path, **options)
+    return make_definition({k: v for k, v in options.items() if v is not None}, "options")
+
+
+def format_report(result: AnalyzeResult) -> str:
+    """The terminal report: users and SRM, a table of metrics, notes, the decision line."""
+    a = result.analysis
+    users = ", ".join(f"{v} {n}" for v, n in a.users.items())
+    lines = [
+        f"experiment {a.experiment}: {a.treatment} vs {a.control} (control), "
+        f"{a.first_day}..{a.last_day} ({a.days} days)",
+        f"users: {users}; SRM chi-square p={a.srm_p_value:.3g}",
+        f"{'metric':<14}{'control':>11}{'treatment':>11}{'lift':>9}  {'95% CI (lift)':<20}"
+        f"{'p':>8}  {'always-valid CI (diff)':<26}{'p':>7}",
+    ]
+    for name, m in sorted(a.metrics.items(), key=lambda kv: kv[0] != a.primary):
+        mark = "*" if name == a.primary else " "
+        lines.append(
+            f"{mark}{name:<13}{m.control:>11.4g}{m.treatment:>11.4g}{m.rel:>+9.2%}  "
+            f"{f'[{m.rel_low:+.2%}, {m.rel_high:+.2%}]':<20}{m.p_value:>8.3g}  "
+            f"{f'[{m.seq_low:+.4g}, {m.seq_high:+.4g}]':<26}{m.seq_p_value:>7.3g}"
+        )
+    lines += [f"note: {n}" for n in result.notes + a.notes]
+    lines += [f"{k + ':':<8}{p}" for k, p in result.files.items()]
+    if result.mlflow_run_id:
+        lines.append(f"mlflow run: {result.mlflow_run_id} (experiment ab-{a.experiment})")
+    if result.promoted_version:
+        lines.append(f"promoted: champion -> version {result.promoted_version}")
+    lines.append(a.decision.line(a.experiment))
+    return "\n".join(lines)
 
 
 def read_users(path: Path) -> list[str]:
