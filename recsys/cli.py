@@ -128,6 +128,9 @@ def _ab_parsers(ab_sub: Any, common: argparse.ArgumentParser) -> None:
     )
     ana.add_argument("--events", required=True, help="Parquet or CSV: user_id, variant, ...")
     ana.add_argument("--pre-events", help="pre-period log of the same users (CUPED)")
+    ana.add_argument(
+        "--start", help="first day YYYY-MM-DD (default: the definition's): earlier rows are CUPED's"
+    )
     ana.add_argument("--output", help="report folder (default: <workdir>/ab/<name>/<time>)")
     ana.add_argument(
         "--promote", action="store_true", help="move `champion` to the winner, if there is one"
@@ -295,7 +298,7 @@ def _ab(args: argparse.Namespace, config: Any, workdir: Any) -> None:
         config, workdir.root, args.experiment, Path(args.events),
         Path(args.output) if args.output else folder / stamp,
         definition_path=Path(args.definition) if args.definition else None,
-        pre_events=Path(args.pre_events) if args.pre_events else None,
+        pre_events=Path(args.pre_events) if args.pre_events else None, start=args.start,
         promote=args.promote, log_to_mlflow=not args.no_log,
     )  # fmt: skip
     print(workflow.format_report(result))

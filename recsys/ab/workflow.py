@@ -215,6 +215,7 @@ def analyze_experiment(
     *,
     definition_path: Path | None = None,
     pre_events: Path | None = None,
+    start: str | None = None,
     promote: bool = False,
     log_to_mlflow: bool = True,
 ) -> AnalyzeResult:
@@ -222,6 +223,8 @@ def analyze_experiment(
     definition, source = resolve_definition(
         config, workdir, name, events, definition_path, use_mlflow=log_to_mlflow or promote
     )
+    if start is not None:
+        definition = make_definition({**definition.model_dump(), "start": start}, "--start")
     table = user_table(events, start=definition.start, pre_events=pre_events,
                        variants=list(definition.variants))  # fmt: skip
     analysis = analyze(table, definition)
