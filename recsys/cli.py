@@ -136,6 +136,14 @@ def _ab_parsers(ab_sub: Any, common: argparse.ArgumentParser) -> None:
         "--promote", action="store_true", help="move `champion` to the winner, if there is one"
     )
     ana.add_argument("--no-log", action="store_true", help="do not log the analysis to MLflow")
+    pln = ab_sub.add_parser(
+        "plan", parents=[common], help="users needed / MDE from a log of normal traffic"
+    )
+    pln.add_argument("--events", required=True, help="Parquet or CSV: user_id, timestamp, ...")
+    pln.add_argument("--effect", type=float, default=0.02, help="relative lift to detect")
+    pln.add_argument("--share", type=float, default=0.5, help="treatment's share of the test")
+    pln.add_argument("--alpha", type=float, default=0.05)
+    pln.add_argument("--power", type=float, default=0.8)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -274,6 +282,13 @@ def _ab(args: argparse.Namespace, config: Any, workdir: Any) -> None:
 
     from recsys.ab import workflow
 
+    if args.ab_command == "plan":
+        from recsys.ab.planning import format_plan, plan
+
+        plans = plan(Path(args.events), rel_effect=args.effect, share_t=args.share,
+                     alpha=args.alpha, power=args.power)  # fmt: skip
+        print(format_plan(plans, args.effect))
+        return
     stamp = f"{dt.datetime.now(dt.UTC):%Y%m%dT%H%M%SZ}"
     folder = workdir.root / "ab" / args.experiment
     if args.ab_command == "assign":

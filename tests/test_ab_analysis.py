@@ -191,3 +191,23 @@ def test_no_pre_period_means_no_cuped(tmp_path: Path) -> None:
     assert not result.metrics["ctr"].cuped
     assert any("CUPED not applied" in n for n in result.notes)
     assert result.first_day == dt.date(2026, 1, 1).isoformat()
+
+
+def test_plan_from_a_log_without_variants(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from recsys import cli
+    from recsys.ab import stats
+    from recsys.ab.planning import plan
+
+    frame = sim.event_log(np.random.default_rng(0), users=2000, days=7, experiment="exp")
+    path = tmp_path / "traffic.csv"
+    frame.drop(columns=["variant"]).to_csv(path, index=False)
+    plans = {p.metric: p for p in plan(path, rel_effect=0.05)}
+    ctr = plans["ctr"]
+    # Round trip: at the users needed, the MDE is the planned effect.
+    mde = stats.mde(ctr.sd**2, ctr.users_needed / 2, ctr.users_needed / 2)
+    assert float(mde) == pytest.approx(0.05 * ctr.mean, rel=1e-3)
+    assert ctr.users_in_log == 2000
+    assert cli.main(["ab", "plan", "--events", str(path), "--workdir", str(tmp_path)]) == 0
+    assert "users for +2.0%" in capsys.readouterr().out

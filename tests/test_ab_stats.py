@@ -192,3 +192,14 @@ def test_sequential_interval_is_the_inverted_msprt() -> None:
     assert float(p_edge) == pytest.approx(alpha, rel=1e-9)
     assert float(half) < 0.4
     assert float(p) < alpha  # 0.4 is outside the half-width (0.326), so rejected
+
+
+def test_planned_sample_size_gives_the_planned_power() -> None:
+    rng = np.random.default_rng(21)
+    pilot = sim.simulate(rng, experiments=1, users=20_000)
+    moments = stats.Moments.of(pilot.control[0, -1][:, [CLICKS, IMPRESSIONS]])
+    ctr, var = stats.value_and_variance(moments, 0, 1)
+    needed = stats.users_needed(float(var), 0.1 * float(ctr))
+    s = sim.simulate(rng, experiments=300, users=needed, lift=0.1)
+    e = _effects(s, stats.MetricColumns(0, 1), [CLICKS, IMPRESSIONS])
+    assert 0.72 <= np.mean(e.p_value < 0.05) <= 0.88  # planned: 80%

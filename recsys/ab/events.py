@@ -61,6 +61,14 @@ def read_log(path: Path) -> pd.DataFrame:
     return frame
 
 
+def outcome_columns(frame: pd.DataFrame, path: Path) -> list[str]:
+    """The numeric outcome columns of a log without variants (user_id, timestamp checked)."""
+    outcomes = _check(frame, path, needs_variant=False)
+    if not outcomes:
+        raise DataError(f"{path}: no numeric outcome column besides {list(KEYS)}")
+    return outcomes
+
+
 def _check(frame: pd.DataFrame, path: Path, needs_variant: bool) -> list[str]:
     keys = [k for k in KEYS if needs_variant or k != "variant"]
     missing = [k for k in keys if k not in frame.columns]

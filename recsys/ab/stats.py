@@ -103,6 +103,12 @@ def _ratio(m: Moments, num: int, den: int | None) -> tuple[np.ndarray, np.ndarra
     return mean_num / mean_den, grad
 
 
+def value_and_variance(m: Moments, num: int, den: int | None) -> tuple[np.ndarray, np.ndarray]:
+    """A metric's value and per-user variance (delta method for a ratio) in one sample."""
+    value, grad = _ratio(m, num, den)
+    return value, _quad(m, grad, grad)
+
+
 def _quad(m: Moments, a: np.ndarray, b: np.ndarray) -> np.ndarray:
     return np.einsum("...i,...ij,...j->...", a, m.cov, b)
 
