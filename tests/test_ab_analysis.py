@@ -211,3 +211,29 @@ def test_plan_from_a_log_without_variants(
     assert ctr.users_in_log == 2000
     assert cli.main(["ab", "plan", "--events", str(path), "--workdir", str(tmp_path)]) == 0
     assert "users for +2.0%" in capsys.readouterr().out
+
+
+def test_definition_file_with_overrides_and_errors(tmp_path: Path) -> None:
+    from recsys.ab.definition import load_definition
+
+    path = tmp_path / "exp.yaml"
+    path.write_text(
+        "variants: {control: '3', treatment: v5}\nsplit: {control: 0.3, treatment: 0.6}\n"
+        "holdout: 0.1\nguardrails: {watch_seconds: 0.02}\nstart: 2026-02-01\n"
+    )
+    definition = load_definition(path, name="feed", holdout=None)
+    assert (definition.control, definition.treatment) == ("control", "treatment")
+    assert definition.assignment_split() == {"control": 0.3, "treatment": 0.6}
+    assert definition.start == dt.date(2026, 2, 1)
+    path.write_text("variants: {A: '1', B: '2'}\nsplit: {A: 0.5, B: 0.4}\n")
+    with pytest.raises(ConfigError, match=r"exp.yaml: experiment field .*adds up to 0.9"):
+        load_definition(path, name="feed")
+
+
+def test_no_impressions_in_one_arm_is_no_decision(tmp_path: Path) -> None:
+    frame = sim.event_log(np.random.default_rng(0), users=400, days=8, experiment="exp")
+    frame.loc[frame["variant"] == "B", "impressions"] = 0
+    path = tmp_path / "events.parquet"
+    frame.to_parquet(path)
+    result = _analyze(path, _definition())
+    assert result.decision.status == "not_computable" and result.decision.winner is None

@@ -216,7 +216,7 @@ def decide(
     users: dict[str, int],
     days: int,
 ) -> Decision:
-    """Winner on the primary metric, or no decision: SRM, too early, guardrail, not significant."""
+    """The winner on the primary metric, or none: SRM, NaN, too early, guardrail, no effect."""
     if srm_p < stats.SRM_ALPHA:
         shares = {v: round(s, 4) for v, s in definition.shares().items()}
         return Decision(
@@ -225,6 +225,11 @@ def decide(
             f"p={srm_p:.2g} < {stats.SRM_ALPHA}; fix assignment or logging before reading results",
         )  # fmt: skip
     result = metrics[primary]
+    if not is_finite(result):
+        return Decision(
+            None, "not_computable",
+            f"{primary} is not a finite number (e.g. no impressions in one arm): check the log",
+        )  # fmt: skip
     rel = f"{primary} {result.rel:+.2%}, difference {result.diff:+.4g} (always-valid "
     rel += f"{1 - definition.alpha:.0%} interval "
     rel += f"[{result.seq_low:+.4g}, {result.seq_high:+.4g}], p={result.seq_p_value:.3g})"

@@ -50,7 +50,10 @@ class ExperimentDefinition(BaseModel):
         if self.split is not None:
             if set(self.split) != set(self.variants):
                 raise ValueError(f"split {self.split} must name the variants {list(self.variants)}")
-            thresholds(self.split, self.holdout)
+            try:
+                thresholds(self.split, self.holdout)
+            except ConfigError as exc:  # reported by make_definition with the file's name
+                raise ValueError(str(exc)) from None
         if self.planned_days < self.min_days:
             raise ValueError(f"planned_days {self.planned_days} < min_days {self.min_days}")
         return self

@@ -136,7 +136,15 @@ class Arms:
 
 
 def arms(control: Moments, treatment: Moments, cols: MetricColumns) -> Arms:
-    """Both arms' values and variances for one metric (delta method, CUPED if a covariate)."""
+    """Both arms' values and variances for one metric (delta method, CUPED if a covariate).
+
+    A zero denominator (no impressions in an arm) gives NaN, which the decision refuses.
+    """
+    with np.errstate(divide="ignore", invalid="ignore"):
+        return _arms(control, treatment, cols)
+
+
+def _arms(control: Moments, treatment: Moments, cols: MetricColumns) -> Arms:
     theta = 0.0
     pooled_pre = 0.0
     if cols.has_covariate:
