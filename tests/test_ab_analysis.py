@@ -237,3 +237,15 @@ def test_no_impressions_in_one_arm_is_no_decision(tmp_path: Path) -> None:
     frame.to_parquet(path)
     result = _analyze(path, _definition())
     assert result.decision.status == "not_computable" and result.decision.winner is None
+
+
+@pytest.mark.parametrize(("user", "experiment", "salt", "expected"), [v[:4] for v in VECTORS])
+def test_bucket_agrees_with_coreutils_sha256sum(
+    user: str, experiment: str, salt: str, expected: int
+) -> None:
+    # Another SHA-256 implementation, as a router in another language would have.
+    digest = subprocess.run(
+        ["sha256sum"], input=f"{experiment}:{salt}:{user}".encode(), capture_output=True,
+        check=True,
+    ).stdout.split()[0]  # fmt: skip
+    assert int(digest[:16], 16) % 10_000 == expected
