@@ -14,7 +14,6 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import numpy as np
-import pandas as pd
 
 from recsys.ab import stats
 from recsys.ab.definition import ExperimentDefinition
@@ -131,11 +130,19 @@ def analyze(table: UserTable, definition: ExperimentDefinition) -> Analysis:
                 f"(metrics: {sorted(specs)})"
             )
     cuped = table.has_pre_period
-    looks = [(day, table.upto(day)) for day in table.days]
-    metrics = {
-        name: _metric(name, cols, looks, control, treatment, definition, cuped)
-        for name, cols in specs.items()
-    }
+    columns = table.outcomes + ([PRE + c for c in table.outcomes] if cuped else [])
+    days, sizes, moments_c, moments_t = _daily_moments(table, columns, control, treatment)
+    index = {c: i for i, c in enumerate(columns)}
+    metrics = {}
+    for name, (num, den) in specs.items():
+        spec = stats.MetricColumns(
+            index[num], index[den] if den else None,
+            index[PRE + num] if cuped else None, index[PRE + den] if cuped and den else None,
+        )  # fmt: skip
+        arms = stats.arms(moments_c, moments_t, spec)
+        eff = stats.effect(arms, alpha=definition.alpha, tau_sd=definition.tau_sd)
+        metrics[name] = _result(name, "ratio" if den else "mean", cuped, arms, eff, days, sizes,
+                                definition)  # fmt: skip
     users = {v: int((table.users["variant"] == v).sum()) for v in (control, treatment)}
     shares = {v: definition.shares()[v] for v in (control, treatment)}
     srm_p = stats.srm_p_value(np.array(list(users.values())), np.array(list(shares.values())))
@@ -149,63 +156,62 @@ def analyze(table: UserTable, definition: ExperimentDefinition) -> Analysis:
     )  # fmt: skip
 
 
-def _moments(frame: pd.DataFrame, columns: list[str]) -> stats.Moments:
-    return stats.Moments.of(frame[columns].to_numpy(dtype=np.float64))
+def _daily_moments(
+    table: UserTable, columns: list[str], control: str, treatment: str
+) -> tuple[list[dt.date], list[int], stats.Moments, stats.Moments]:
+    """Both arms' per-user moments of every column at each daily look, stacked over days."""
+    days, sizes, per_arm = [], [], ([], [])  # type: ignore[var-annotated]
+    for day, frame in table.looks():
+        values = [frame.loc[frame["variant"] == v, columns].to_numpy(np.float64)
+                  for v in (control, treatment)]  # fmt: skip
+        if min(len(v) for v in values) < 2:
+            continue  # a look needs two users per arm
+        for arm, v in zip(per_arm, values, strict=True):
+            arm.append(stats.Moments.of(v))
+        days.append(day)
+        sizes.append(sum(len(v) for v in values))
+    if not days:
+        raise ConfigError(f"fewer than 2 users in {control!r} or {treatment!r}: nothing to compare")
+    stacked = [
+        stats.Moments(*(np.stack([getattr(m, f) for m in arm]) for f in ("n", "mean", "cov")))
+        for arm in per_arm
+    ]
+    return days, sizes, stacked[0], stacked[1]
 
 
-def _metric(
+def _result(
     name: str,
-    cols: tuple[str, str | None],
-    looks: list[tuple[dt.date, pd.DataFrame]],
-    control: str,
-    treatment: str,
-    definition: ExperimentDefinition,
+    kind: str,
     cuped: bool,
+    arms: stats.Arms,
+    eff: stats.Effect,
+    days: list[dt.date],
+    sizes: list[int],
+    definition: ExperimentDefinition,
 ) -> MetricResult:
-    num, den = cols
-    columns = [num] + ([den] if den else [])
-    if cuped:
-        columns += [PRE + num] + ([PRE + den] if den else [])
-    idx = {c: i for i, c in enumerate(columns)}
-    spec = stats.MetricColumns(
-        idx[num], idx.get(den) if den else None,
-        idx.get(PRE + num) if cuped else None, idx.get(PRE + den) if cuped and den else None,
-    )  # fmt: skip
-    points, effects = [], []
-    for day, frame in looks:
-        a = frame[frame["variant"] == control]
-        b = frame[frame["variant"] == treatment]
-        if len(a) < 2 or len(b) < 2:
-            continue
-        arms = stats.arms(_moments(a, columns), _moments(b, columns), spec)
-        eff = stats.effect(arms, alpha=definition.alpha, tau_sd=definition.tau_sd)
-        effects.append((arms, eff))
-        base = float(eff.control)
-        points.append(DailyPoint(
-            day.isoformat(), len(a) + len(b), float(eff.rel), float(eff.rel_low),
-            float(eff.rel_high), float(eff.seq_low) / base, float(eff.seq_high) / base,
-        ))  # fmt: skip
-    if not effects:
-        raise ConfigError(
-            f"experiment {definition.name}: fewer than 2 users in {control!r} or {treatment!r}"
+    """One metric's result: today's look, the always-valid p-value, the daily points."""
+    points = [
+        DailyPoint(
+            day.isoformat(), size, float(eff.rel[i]), float(eff.rel_low[i]),
+            float(eff.rel_high[i]), float(eff.seq_low[i] / eff.control[i]),
+            float(eff.seq_high[i] / eff.control[i]),
         )
-    arms, last = effects[-1]
+        for i, (day, size) in enumerate(zip(days, sizes, strict=True))
+    ]  # fmt: skip
     # The interval is today's look at the confidence sequence (not the intersection over days:
     # a per-user sum grows with exposure, so its effect is not one fixed number across days).
     # Under "no effect on any day" a look excluding 0 has probability <= alpha whichever day
     # it happens, so deciding on today's look keeps the false-positive rate; the reported
     # p-value is the always-valid one, the running minimum over all looks.
-    seq_low, seq_high = float(last.seq_low), float(last.seq_high)
-    seq_p = min(float(e.seq_p_value) for _, e in effects)
-    pooled_var = float((arms.var_c * arms.n_c + arms.var_t * arms.n_t) / (arms.n_c + arms.n_t))
-    mde = float(stats.mde(pooled_var, float(arms.n_c), float(arms.n_t),
-                          alpha=definition.alpha, power=definition.power))  # fmt: skip
-    return MetricResult(
-        name, "ratio" if den else "mean", cuped, float(last.control), float(last.treatment),
-        float(last.diff), float(last.ci_low), float(last.ci_high), float(last.p_value),
-        float(last.rel), float(last.rel_low), float(last.rel_high), seq_low, seq_high, seq_p,
-        mde, points,
-    )  # fmt: skip
+    last = -1
+    seq_p = float(np.nanmin(eff.seq_p_value)) if np.isfinite(eff.seq_p_value).any() else np.nan
+    n_c, n_t = float(arms.n_c[last]), float(arms.n_t[last])
+    pooled_var = float((arms.var_c[last] * n_c + arms.var_t[last] * n_t) / (n_c + n_t))
+    mde = float(stats.mde(pooled_var, n_c, n_t, alpha=definition.alpha, power=definition.power))
+    fields = ("control", "treatment", "diff", "ci_low", "ci_high", "p_value", "rel", "rel_low",
+              "rel_high", "seq_low", "seq_high")  # fmt: skip
+    values = {f: float(getattr(eff, f)[last]) for f in fields}
+    return MetricResult(name, kind, cuped, **values, seq_p_value=seq_p, mde=mde, daily=points)
 
 
 def decide(

@@ -9,6 +9,7 @@ variant is dropped (and counted). Rows before the experiment's start are its pre
 from __future__ import annotations
 
 import datetime as dt
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -37,12 +38,17 @@ class UserTable:
         """Whether any user has pre-period data (CUPED applies)."""
         return any(self.users[PRE + c].abs().sum() > 0 for c in self.outcomes)
 
-    def upto(self, day: dt.date) -> pd.DataFrame:
-        """Per-user sums of the events up to and including `day` (pre-period columns kept)."""
-        part = self.daily[self.daily["day"] <= day]
-        sums = part.groupby("user_id")[self.outcomes].sum()
+    def looks(self) -> Iterator[tuple[dt.date, pd.DataFrame]]:
+        """Each day and the per-user sums up to it (users seen by then; pre-period kept).
+
+        Running sums: each day's rows are read once, so the cost is rows + days x users.
+        """
         pre = self.users[["variant", *(PRE + c for c in self.outcomes)]]
-        return pre.join(sums, how="inner")
+        running: pd.DataFrame | None = None
+        for day, part in self.daily.groupby("day", sort=True):
+            sums = part.set_index("user_id")[self.outcomes].astype(np.float64)
+            running = sums if running is None else running.add(sums, fill_value=0.0)
+            yield day, pre.join(running, how="inner")
 
 
 def read_log(path: Path) -> pd.DataFrame:
