@@ -249,3 +249,20 @@ def test_bucket_agrees_with_coreutils_sha256sum(
         check=True,
     ).stdout.split()[0]  # fmt: skip
     assert int(digest[:16], 16) % 10_000 == expected
+
+
+def test_the_ab_library_imports_only_core_and_tracking() -> None:
+    # The layer rule (docs/ARCHITECTURE.md): never the CLI, the nightly conductor or TensorFlow.
+    code = (
+        "import sys; import recsys.ab, recsys.ab.workflow, recsys.ab.planning, recsys.ab.chart; "
+        "ours = ('recsys', 'conductor', 'tensorflow'); "
+        "print(' '.join(sorted(m for m in sys.modules if m.startswith(ours))))"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True,
+        cwd=Path(__file__).parent.parent,
+    ).stdout.split()  # fmt: skip
+    allowed = ("recsys.ab", "recsys.core", "recsys.config", "recsys.errors", "recsys.layout",
+               "recsys.redact", "recsys.registry", "recsys.tracking")  # fmt: skip
+    outside = [m for m in out if m != "recsys" and not m.startswith(allowed)]
+    assert outside == [], outside
