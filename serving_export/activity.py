@@ -15,7 +15,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from recsys import schema
+from recsys.core import schema
 from recsys.training.dataset import latest_items
 
 # Parquet has no seconds unit (pyarrow would coerce to ms on write): ms from the start.

@@ -16,7 +16,7 @@ from typing import Any
 
 import numpy as np
 
-from recsys.errors import EmbeddingsContractError
+from recsys.core.errors import EmbeddingsContractError
 
 INDEX_FILE = "items.faiss"
 RECALL_QUERIES = 1000

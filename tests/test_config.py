@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from recsys.config import REPO_CONFIGS, load_config, parse_config
-from recsys.errors import ConfigError
+from recsys.core.config import REPO_CONFIGS, load_config, parse_config
+from recsys.core.errors import ConfigError
 
 
 @pytest.mark.parametrize("path", sorted(REPO_CONFIGS.glob("*.yaml")), ids=lambda p: p.name)

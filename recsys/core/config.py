@@ -12,8 +12,8 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from recsys.errors import ConfigError
-from recsys.redact import redact_tree
+from recsys.core.errors import ConfigError
+from recsys.core.redact import redact_tree
 
 REPO_CONFIGS = Path(__file__).resolve().parent.parent / "configs"
 
