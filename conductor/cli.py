@@ -7,8 +7,9 @@ import logging
 import sys
 from collections.abc import Sequence
 
+from recsys.core.config import load_config
 from recsys.core.errors import RecsysError
-from recsys.core.layout import STAGES
+from recsys.core.layout import STAGES, parse_date
 from recsys.core.redact import install_log_redaction, redact_text
 
 log = logging.getLogger("recsys")
@@ -106,12 +107,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     # credentials and secret values before it is written (docs/OPERATIONS.md, Security).
     logging.captureWarnings(True)
     install_log_redaction()
-    # Imported here, not at the top: the commands import TensorFlow, Beam and MLflow (about
-    # 5 s, `python -X importtime`), which `recsys --help` and a mistyped option never need.
-    from conductor.commands import dispatch
-
     try:
-        return dispatch(args)
+        # Checked before the commands' import, which is about 5 s (TensorFlow, Beam, MLflow;
+        # `python -X importtime`) that `--help` and a bad config or date never need.
+        config = load_config(args.config)
+        date = parse_date(getattr(args, "date", None), config.nightly.timezone)
+        from conductor.commands import dispatch
+
+        return dispatch(args, config, date)
     except RecsysError as exc:
         print(f"recsys: error: {redact_text(str(exc))}", file=sys.stderr)
         return exc.exit_code

@@ -12,7 +12,7 @@ from typing import Any
 from conductor import stages
 from conductor.lock import WorkdirLock
 from conductor.nightly import backfill, run_nightly
-from recsys.core.config import load_config
+from recsys.core.config import RecsysConfig
 from recsys.core.errors import ConfigError
 from recsys.core.layout import parse_date
 from recsys.tracking.compare import compare, format_table
@@ -24,11 +24,9 @@ from serving_export.formats import export_embeddings
 _WRITERS = {"preprocess", "train", "evaluate", "export", "sync"}
 
 
-def dispatch(args: argparse.Namespace) -> int:
+def dispatch(args: argparse.Namespace, config: RecsysConfig, date: dt.date) -> int:
     """Run the parsed subcommand under the working directory's lock when it writes there."""
-    config = load_config(args.config)
     workdir = stages.check_workdir(args.workdir)
-    date = parse_date(getattr(args, "date", None), config.nightly.timezone)
     if args.command in ("nightly", "backfill") and _non_chief_worker():
         raise ConfigError(
             "TF_CONFIG names this process a non-chief worker: run `recsys nightly` on the "

@@ -22,7 +22,10 @@ from recsys.core.config import ExportConfig
 from recsys.core.layout import replace_dir
 from recsys.model import TrainedModel
 from serving_export.activity import Activity
-from serving_export.embeddings import write_item_embeddings, write_user_embeddings
+from serving_export.ann import build_ann
+from serving_export.embeddings import read_embeddings, write_item_embeddings, write_user_embeddings
+from serving_export.manifest import MANIFEST, write_manifest
+from serving_export.serving_config import read_version_labels, write_models_config
 
 log = logging.getLogger(__name__)
 
@@ -43,8 +46,6 @@ def stage_embeddings(
     `models` are the same version's SavedModel dirs (their fingerprints go into the
     manifest); `activity` gives the users' latest histories and the extra columns.
     """
-    from serving_export.manifest import MANIFEST, write_manifest
-
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     items = write_item_embeddings(
@@ -74,9 +75,6 @@ def stage_embeddings(
 
 
 def _build_ann(directory: Path, config: ExportConfig) -> dict[str, Any]:
-    from serving_export.ann import build_ann
-    from serving_export.embeddings import read_embeddings
-
     # Built from the files just written, as an external consumer would build it.
     _, items, _ = read_embeddings(directory / "items.parquet")
     _, users, _ = read_embeddings(directory / "users.parquet")
@@ -130,8 +128,6 @@ def finish_publish(
     The versions labelled champion/challenger in models.config (set after promotion by
     conductor.promotion) and the new version are never pruned.
     """
-    from serving_export.serving_config import read_version_labels, write_models_config
-
     names = list(names)
     labels = read_version_labels(export_root)
     config_path = write_models_config(export_root, names, labels, config.serving_base_path)

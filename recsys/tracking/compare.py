@@ -26,6 +26,7 @@ from mlflow import MlflowClient
 from mlflow.entities import RunStatus
 from mlflow.exceptions import MlflowException
 
+from recsys.core import schema
 from recsys.core.config import RecsysConfig
 from recsys.core.errors import ConfigError
 from recsys.tracking import registry
@@ -40,6 +41,7 @@ from recsys.tracking.runs import (
     experiment_name,
     resolve_tracking_uri,
 )
+from recsys.training.dataset import load_split
 
 COMPARISONS_EXPERIMENT = "comparisons"
 MAX_K = 100
@@ -289,9 +291,6 @@ def _segments(
 
 def user_segments(data_dir: Path) -> dict[str, tuple[str, str]]:
     """Per test user: ('new users' | 'returning users', 'head items' | 'tail items')."""
-    from recsys.core import schema
-    from recsys.training.dataset import load_split
-
     history: dict[str, int] = {}
     for split in ("train", "validation"):
         for user in load_split(data_dir, split)[schema.USER_ID]:
