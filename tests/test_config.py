@@ -15,6 +15,11 @@ def test_shipped_configs_validate(path: Path) -> None:
     assert load_config(path).model_name
 
 
+def test_repo_configs_are_found() -> None:
+    """The default config is found from the package (an empty glob would skip the test above)."""
+    assert (REPO_CONFIGS / "default.yaml").is_file(), REPO_CONFIGS
+
+
 def test_unknown_key_is_named() -> None:
     with pytest.raises(ConfigError, match=r"training\.epoch: unknown key"):
         parse_config({"training": {"epoch": 3}})

@@ -448,7 +448,7 @@ def test_cli_rejects_an_escaping_model_name_in_one_line(
 
 # --- no unpickling of outside data ---------------------------------------------------------
 
-SCANNED = ("recsys", "beam_jobs", "serving_export", "benchmarks")
+SCANNED = ("conductor", "recsys", "beam_jobs", "serving_export", "benchmarks")
 # Calls that unpickle (or run code from) their input, whatever the arguments.
 _FORBIDDEN = {
     "pickle.load", "pickle.loads", "pickle.Unpickler", "_pickle.load", "_pickle.loads",

@@ -15,7 +15,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from recsys.core.errors import ConfigError
 from recsys.core.redact import redact_tree
 
-REPO_CONFIGS = Path(__file__).resolve().parent.parent / "configs"
+REPO_CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 
 # One folder/file name (or an MLflow name that tools may turn into one): no separators, no
 # leading dot (hidden files, '.', '..'), nothing a shell or a URL would treat specially.

@@ -175,7 +175,7 @@ def find_nightly_run(
 
 def git_commit() -> str:
     """The commit of the recsys source tree ('unknown' outside a git checkout)."""
-    repo = Path(__file__).resolve().parent.parent
+    repo = Path(__file__).resolve().parents[2]
     try:
         out = subprocess.run(
             ["git", "-C", str(repo), "rev-parse", "HEAD"],
