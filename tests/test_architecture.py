@@ -1,6 +1,12 @@
-"""The package graph: no import cycle anywhere in our code (the layers are `lint-imports`')."""
+"""The package graph: no import cycle anywhere in our code (the layers are `lint-imports`').
+
+And the one environment setting TensorFlow reads at its first import reaches every entry point.
+"""
 
 import graphlib
+import os
+import subprocess
+import sys
 
 import grimp
 import pytest
@@ -37,3 +43,27 @@ def test_the_cycle_check_finds_a_cycle(graph: grimp.ImportGraph) -> None:
     graph.add_import(importer="recsys.core.layout", imported="conductor.stages")
     cycle = import_cycle(graph)
     assert cycle is not None and "conductor.stages" in cycle
+
+
+def _fresh_python(code: str) -> subprocess.CompletedProcess[str]:
+    """`code` in a new interpreter whose environment has no TF_USE_LEGACY_KERAS."""
+    env = {k: v for k, v in os.environ.items() if k != "TF_USE_LEGACY_KERAS"}
+    return subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300
+    )
+
+
+@pytest.mark.parametrize("package", PACKAGES)
+def test_each_package_selects_keras_2_before_any_module_runs(package: str) -> None:
+    """Each package's __init__ sets TF_USE_LEGACY_KERAS (recsys.core.tf_env): any entry works."""
+    code = f"import os, {package}; print(os.environ.get('TF_USE_LEGACY_KERAS'))"
+    done = _fresh_python(code)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip().splitlines()[-1] == "1"
+
+
+def test_tensorflow_imported_by_the_model_uses_tf_keras() -> None:
+    """The model module imports TensorFlow at its top: Keras is still Keras 2 (tf_keras)."""
+    done = _fresh_python("import recsys.model, tensorflow as tf; print(tf.keras.__name__)")
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip().splitlines()[-1].startswith("tf_keras"), done.stdout
