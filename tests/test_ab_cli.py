@@ -12,9 +12,10 @@ import pytest
 import yaml
 from mlflow import MlflowClient
 
-from recsys import cli, registry
+from conductor import cli
 from recsys.ab import simulate as sim
-from recsys.config import TrackingConfig, load_config
+from recsys.core.config import TrackingConfig, load_config
+from recsys.tracking import registry
 from tests.mlflow_server import MlflowServer, mlflow_server
 
 MODEL = "ab-cli-model"

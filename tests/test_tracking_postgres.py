@@ -2,7 +2,7 @@
 
 A real PostgreSQL (tests/postgres_server.py: initdb + pg_ctl, skipped with the reason when the
 OS package is missing) and real `mlflow server` processes. Runs are published with the nightly's
-own code (recsys.promotion.publish_run) from hand-built run folders, as in
+own code (conductor.promotion.publish_run) from hand-built run folders, as in
 tests/test_tracking_registry.py.
 """
 
@@ -20,11 +20,11 @@ from mlflow import MlflowClient
 from mlflow.entities import ViewType
 from mlflow.exceptions import MlflowException
 
-from recsys import registry
-from recsys.config import RecsysConfig
-from recsys.errors import TrackingError
-from recsys.layout import Workdir
-from recsys.promotion import PENDING, publish_run
+from conductor.promotion import PENDING, publish_run
+from recsys.core.config import RecsysConfig
+from recsys.core.errors import TrackingError
+from recsys.core.layout import Workdir
+from recsys.tracking import registry
 from tests.conftest import SMALL
 from tests.mlflow_server import MlflowServer, free_port, mlflow_server
 from tests.postgres_server import PostgresServer, count, create_database, find_bin, postgres_server
@@ -52,7 +52,7 @@ def server(
 
 
 def _config(uri: str, model: str) -> RecsysConfig:
-    from recsys.config import parse_config
+    from recsys.core.config import parse_config
 
     return configured(parse_config(SMALL), uri, model)
 

@@ -18,7 +18,7 @@ import numpy as np
 from recsys.ab import stats
 from recsys.ab.definition import ExperimentDefinition
 from recsys.ab.events import PRE, UserTable
-from recsys.errors import ConfigError
+from recsys.core.errors import ConfigError
 
 RATIO_METRICS = {"ctr": ("clicks", "impressions")}
 

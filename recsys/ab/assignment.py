@@ -16,7 +16,7 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Iterable, Mapping
 
-from recsys.errors import ConfigError
+from recsys.core.errors import ConfigError
 
 BUCKETS = 10_000
 HOLDOUT = "holdout"

@@ -10,7 +10,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from recsys.ab.assignment import thresholds
-from recsys.errors import ConfigError
+from recsys.core.errors import ConfigError
 
 
 class ExperimentDefinition(BaseModel):

@@ -17,7 +17,7 @@ import numpy as np
 import pandas as pd
 
 from recsys.ab.assignment import HOLDOUT
-from recsys.errors import DataError
+from recsys.core.errors import DataError
 
 KEYS = ("user_id", "variant", "timestamp")
 PRE = "pre_"

@@ -16,10 +16,10 @@ from pathlib import Path
 from mlflow import MlflowClient
 from mlflow.entities import Metric, RunStatus
 
-from recsys import registry
 from recsys.ab.analysis import Analysis
 from recsys.ab.definition import ExperimentDefinition, make_definition
-from recsys.errors import ConfigError
+from recsys.core.errors import ConfigError
+from recsys.tracking import registry
 
 DEFINITION_TAG = "ab.definition"
 _VERSION = re.compile(r"^v?(\d+)$")

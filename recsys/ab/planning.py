@@ -15,7 +15,7 @@ import numpy as np
 from recsys.ab import stats
 from recsys.ab.analysis import metric_columns
 from recsys.ab.events import outcome_columns, read_log
-from recsys.errors import ConfigError
+from recsys.core.errors import ConfigError
 
 
 @dataclass(frozen=True)

@@ -19,10 +19,15 @@ from recsys.ab.assignment import HOLDOUT, assign_many, bucket
 from recsys.ab.chart import lift_chart
 from recsys.ab.definition import ExperimentDefinition, load_definition, make_definition
 from recsys.ab.events import read_log, user_table
-from recsys.config import RecsysConfig
-from recsys.errors import ConfigError, DataError, TrackingError
-from recsys.redact import redact_text
-from recsys.tracking import bounded_http_retries, connect, ensure_experiment, resolve_tracking_uri
+from recsys.core.config import RecsysConfig
+from recsys.core.errors import ConfigError, DataError, TrackingError
+from recsys.core.redact import redact_text
+from recsys.tracking.runs import (
+    bounded_http_retries,
+    connect,
+    ensure_experiment,
+    resolve_tracking_uri,
+)
 
 _FAILURES = (MlflowException, requests.RequestException, OSError)
 
