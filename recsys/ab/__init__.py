@@ -1,7 +1,7 @@
 """Online A/B tests: assignment, experiment definitions, analysis and decisions.
 
-Library layer: imports the core (config, errors) and tracking/registry only, never the CLI or
-the nightly conductor. See docs/AB_TESTING.md.
+Library layer: imports recsys.core and recsys.tracking only, never conductor/ (the CLI and the
+nightly). See docs/AB_TESTING.md.
 """
 
 from recsys.ab.analysis import Analysis, Decision, MetricResult, analyze
