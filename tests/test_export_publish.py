@@ -97,8 +97,8 @@ def test_export_publishes_models_embeddings_manifest_and_config(
 def test_users_parquet_uses_the_latest_histories(
     exported: stages.ExportResult, trained: tuple[RecsysConfig, Workdir, Path]
 ) -> None:
+    from recsys.data_io import latest_histories
     from recsys.model import TrainedModel
-    from recsys.training.dataset import latest_histories
     from serving_export.activity import read_activity
 
     _, workdir, run_dir = trained
