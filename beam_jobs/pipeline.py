@@ -26,7 +26,14 @@ from apache_beam.typehints import no_annotations
 
 from beam_jobs.inputs import InputFile, list_input_files
 from beam_jobs.items import ReadItems, item_source
-from beam_jobs.readers import Bounds, ReadAndValidate, ReadSpec, parquet_raw, read_spec
+from beam_jobs.readers import (
+    Bounds,
+    ReadAndValidate,
+    ReadSpec,
+    check_header,
+    parquet_raw,
+    read_spec,
+)
 from beam_jobs.records import Rejection
 from beam_jobs.sinks import REJECTED_DIR, WriteRejected
 from beam_jobs.split import SECONDS_PER_DAY, SplitAndWrite, SplitSettings
@@ -188,6 +195,9 @@ def run_preprocess(
 ) -> dict[str, Any]:
     """Run the Beam job; publish output_dir atomically with _SUCCESS last; return the stats dict."""
     files = list_input_files(input_path, config.data.source, run_date)
+    spec = read_spec(config.data)
+    for f in files:
+        check_header(f.path, spec)
     options, runner = pipeline_options([*config.preprocess.beam_args, *(beam_args or [])])
     _quiet_beam_logging()
     output_dir = Path(output_dir)
@@ -199,7 +209,7 @@ def run_preprocess(
         stats = json.loads((tmp / STATS_FILE).read_text(encoding="utf-8"))
         check_reconciled(stats)
         stats = add_drift(stats, tmp, output_dir)
-        failure = quality_failure(stats, config.preprocess.max_rejected_fraction, output_dir)
+        failure = quality_failure(stats, config.preprocess, output_dir)
         if failure is None:
             mark_complete(tmp)
     if failure is not None:
@@ -215,18 +225,26 @@ def run_preprocess(
 
 
 def quality_failure(
-    stats: dict[str, Any], max_rejected: float, output_dir: Path
+    stats: dict[str, Any], pp: PreprocessConfig, output_dir: Path
 ) -> DataError | None:
-    """The DataError to raise when too many rows were rejected or none accepted, else None."""
+    """The DataError to raise when too many lines were rejected or duplicated, or none kept."""
     rejected_dir = output_dir / REJECTED_DIR
     fraction = stats["rejected_fraction"]
-    if fraction > max_rejected:
+    if fraction > pp.max_rejected_fraction:
         top = sorted(stats["rejected_by_reason"].items(), key=lambda kv: (-kv[1], kv[0]))
         reasons = ", ".join(f"{reason}: {n}" for reason, n in top[:TOP_REASONS])
         return DataError(
-            f"{stats['rejected']} of {stats['input_rows']} input rows rejected "
-            f"({fraction:.2%}), above preprocess.max_rejected_fraction {max_rejected:.2%}; "
-            f"top reasons: {reasons}; see {rejected_dir}/ (output kept without _SUCCESS)"
+            f"{stats['rejected']} of {stats['input_lines']} input lines rejected "
+            f"({fraction:.2%}), above preprocess.max_rejected_fraction "
+            f"{pp.max_rejected_fraction:.2%}; top reasons: {reasons}; see {rejected_dir}/ "
+            "(output kept without _SUCCESS)"
+        )
+    if stats["duplicate_fraction"] > pp.max_duplicate_fraction:
+        return DataError(
+            f"{stats['duplicates']} of {stats['input_lines']} input lines are exact duplicates "
+            f"({stats['duplicate_fraction']:.2%}), above preprocess.max_duplicate_fraction "
+            f"{pp.max_duplicate_fraction:.2%}; each is listed (file, row) with reason "
+            f"'duplicate' in {rejected_dir}/ (output kept without _SUCCESS)"
         )
     if stats["accepted"] == 0:
         return DataError(

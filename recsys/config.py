@@ -168,6 +168,9 @@ class DataConfig(_Strict):
     header: bool = True
     columns: ColumnMap = ColumnMap()
     timestamp_unit: Literal["s", "ms"] = "s"
+    # Interaction logs are line-oriented: a quoted field may span lines only when this is set
+    # (otherwise one stray quote would swallow every line up to the next quote).
+    multiline_fields: bool = False
     event_types: list[str] | None = None
     items: ItemsConfig | None = None
     users: UsersConfig | None = None
@@ -191,6 +194,9 @@ class PreprocessConfig(_Strict):
     min_user_interactions: int = Field(5, ge=3)
     num_shards: int = Field(1, ge=1)
     max_rejected_fraction: float = Field(0.01, ge=0, le=1)
+    # Exact repeats of a valid interaction (at-least-once delivery) are not bad rows: they are
+    # dropped and held to their own limit.
+    max_duplicate_fraction: float = Field(0.5, ge=0, le=1)
     beam_args: list[str] = []
     history_length: int = Field(20, ge=0)
     split: Literal["leave_last_out", "time_window"] = "leave_last_out"
