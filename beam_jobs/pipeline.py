@@ -12,6 +12,7 @@ the rejection rate, and publishes the folder by renaming it (see docs/PREPROCESS
 """
 
 import datetime as dt
+import difflib
 import json
 import logging
 import shutil
@@ -182,8 +183,28 @@ def pipeline_options(args: list[str]) -> tuple[PipelineOptions, Any]:
     --direct_num_workers just the same. An explicit --runner (DirectRunner included) is obeyed.
     """
     options = PipelineOptions(args)
+    check_known_options(options)
     runner = None if options.view_as(StandardOptions).runner else FnApiRunner()
     return options, runner
+
+
+def check_known_options(options: PipelineOptions) -> None:
+    """ConfigError naming the first option no Beam options class knows (e.g. `--runer`).
+
+    Beam itself only logs "Discarding unparseable args" and runs on with its defaults, so a
+    misspelt `--runner` would quietly run the job locally.
+    """
+    known = options.get_all_options()
+    given = options.get_all_options(retain_unknown_options=True)
+    unknown = [name for name in given if name not in known]
+    if unknown:
+        name = unknown[0]
+        close = difflib.get_close_matches(name, list(known), n=1)
+        hint = f" (did you mean --{close[0]}?)" if close else ""
+        raise ConfigError(
+            f"preprocess.beam_args: unknown Beam option --{name}{hint}; Beam would ignore it "
+            "and run with its defaults. Fix or remove it in the config"
+        )
 
 
 def run_preprocess(

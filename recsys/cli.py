@@ -15,7 +15,7 @@ os.environ.setdefault("TF_USE_LEGACY_KERAS", "1")
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 from recsys.config import load_config
-from recsys.errors import RecsysError
+from recsys.errors import ACCESS_ERRNOS, RecsysError, StorageError, storage_errno
 from recsys.layout import parse_date
 from recsys.nightly import STAGES
 from recsys.redact import install_log_redaction, redact_text
@@ -126,13 +126,24 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("recsys: interrupted", file=sys.stderr)
         return 130
+    except OSError as exc:
+        # A disk or permission failure outside a stage (the lock file, the default paths).
+        if storage_errno(exc) is None and exc.errno not in ACCESS_ERRNOS:
+            raise
+        error = StorageError(
+            f"{exc.strerror or exc}{f': {exc.filename}' if exc.filename else ''}; free space "
+            "or fix the volume's permissions, then rerun the same command"
+        )
+        print(f"recsys: error: {redact_text(str(error))}", file=sys.stderr)
+        return error.exit_code
 
 
 def _dispatch(args: argparse.Namespace) -> int:
     from recsys import stages
 
     config = load_config(args.config)
-    workdir = stages.check_workdir(args.workdir)
+    writes = args.command in (*_WRITERS, "nightly", "backfill")
+    workdir = stages.check_workdir(args.workdir, writable=writes)
     date = parse_date(getattr(args, "date", None), config.nightly.timezone)
     if args.command in ("nightly", "backfill") and _non_chief_worker():
         from recsys.errors import ConfigError

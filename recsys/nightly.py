@@ -16,7 +16,6 @@ holds the working directory's lock (recsys.lock).
 from __future__ import annotations
 
 import datetime as dt
-import errno
 import hashlib
 import json
 import logging
@@ -30,7 +29,13 @@ from typing import Any
 
 from recsys import stages
 from recsys.config import RecsysConfig
-from recsys.errors import RecsysError, StageFailedError, StorageError
+from recsys.errors import (
+    STORAGE_ERRNOS,
+    RecsysError,
+    StageFailedError,
+    StorageError,
+    storage_errno,
+)
 from recsys.faults import fault_point
 from recsys.layout import (
     Workdir,
@@ -48,8 +53,6 @@ STAGES = ("preprocess", "train", "evaluate", "export", "publish")
 RUN_KEY = "nightly.json"
 SUMMARY = "summary.md"
 CHAMPION_FILE = "champion.json"
-# errno values that mean "the disk, not the program": reported as StorageError (exit 9).
-_STORAGE_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EIO}
 
 
 @dataclass
@@ -216,7 +219,7 @@ class _Nightly:
         except RecsysError:
             raise
         except OSError as exc:
-            if exc.errno in _STORAGE_ERRNOS:
+            if exc.errno in STORAGE_ERRNOS:
                 raise _storage_error(name, exc) from None
             raise _failed(name, exc) from exc
         except Exception as exc:
@@ -367,11 +370,8 @@ def _storage_error(stage: str, exc: OSError) -> StorageError:
 
 def _storage_in_message(stage: str, exc: Exception) -> StorageError | None:
     """TensorFlow reports a full disk as its own error types; recognise them by message."""
-    text = str(exc)
-    for code in _STORAGE_ERRNOS:
-        if errno.errorcode.get(code, "?") in text or (text and os.strerror(code) in text):
-            return _storage_error(stage, OSError(code, os.strerror(code)))
-    return None
+    code = storage_errno(exc)
+    return None if code is None else _storage_error(stage, OSError(code, os.strerror(code)))
 
 
 # -- champion record and retention --------------------------------------------------------------

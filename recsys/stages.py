@@ -12,6 +12,7 @@ import json
 import logging
 import os
 import shutil
+import tempfile
 import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -21,7 +22,7 @@ from typing import Any
 import yaml
 
 from recsys.config import RecsysConfig
-from recsys.errors import ConfigError, DataError
+from recsys.errors import ConfigError, DataError, StorageError
 from recsys.faults import fault_point
 from recsys.layout import Workdir, mark_complete, new_run_id, require_complete
 from recsys.redact import redact_tree
@@ -103,6 +104,7 @@ def train(
     # Under MultiWorkerMirroredStrategy every worker runs this; only the chief owns the run
     # folder (workers' run ids would differ), the others train in step and keep nothing.
     chief = is_chief()
+    created = run_dir is None  # a folder given by the caller (the nightly's) is reused
     run_dir = run_dir or workdir.run(date, new_run_id(config.digest()))
     if chief:
         run_dir.mkdir(parents=True, exist_ok=True)
@@ -111,7 +113,13 @@ def train(
     backup = workdir.runs(date) / f".backup-{config.digest()}"
     try:
         result = fit(config, data_dir, backup_dir=backup, callbacks=list(callbacks))
-    except Exception as exc:
+    except BaseException as exc:
+        if created:
+            # Nothing was written into it yet (the checkpoints live in `backup`): a failed
+            # run leaves no empty run folder behind, and the rerun resumes from `backup`.
+            shutil.rmtree(run_dir, ignore_errors=True)
+        if not isinstance(exc, Exception):
+            raise
         corrupt = _corrupt_shard_error(data_dir, exc)
         if corrupt is not None:
             raise corrupt from None
@@ -372,10 +380,26 @@ def _write_json(path: Path, payload: Any) -> None:
     tmp.replace(path)
 
 
-def check_workdir(path: str) -> Workdir:
-    """The working directory, created if missing; refuses a path that is a file."""
+def check_workdir(path: str, writable: bool = False) -> Workdir:
+    """The working directory, created if missing; refuses a file, and (writable) a folder
+    this process cannot write (StorageError, before any stage starts)."""
     root = Path(path).expanduser().resolve()
     if root.exists() and not root.is_dir():
         raise ConfigError(f"--workdir {path} exists and is not a directory")
-    root.mkdir(parents=True, exist_ok=True)
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+        if writable:
+            tempfile.TemporaryFile(dir=root, prefix=".write-probe-").close()
+    except OSError as exc:
+        raise workdir_storage_error(root, exc) from None
     return Workdir(root)
+
+
+def workdir_storage_error(root: Path, exc: OSError) -> StorageError:
+    """The one-line StorageError for a working directory that cannot be written."""
+    return StorageError(
+        f"--workdir {root} cannot be written ({exc.strerror or exc}"
+        f"{f': {exc.filename}' if exc.filename else ''}); nothing was changed. Make it "
+        f"writable for uid {os.getuid()} (e.g. `chown -R {os.getuid()} {root}`, or remount "
+        "it read-write) or pass another --workdir, then rerun the same command"
+    )

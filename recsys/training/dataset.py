@@ -11,7 +11,7 @@ import tensorflow as tf
 
 import recsys  # noqa: F401  (sets TF_USE_LEGACY_KERAS before TensorFlow is imported)
 from recsys import schema
-from recsys.errors import StageNotReadyError
+from recsys.errors import DataError, StageNotReadyError
 from recsys.model import (
     HISTORY_INDEX,
     ITEM_INDEX,
@@ -24,10 +24,18 @@ from recsys.model import (
 
 def split_files(data_dir: Path, split: str) -> list[str]:
     """The sorted shard files of one split; an error naming the folder if there are none."""
-    files = sorted(str(p) for p in data_dir.glob(f"{split}-*.tfrecord.gz"))
-    if not files:
+    paths = sorted(data_dir.glob(f"{split}-*.tfrecord.gz"))
+    if not paths:
         raise StageNotReadyError(f"no {split}-*.tfrecord.gz in {data_dir}: run `recsys preprocess`")
-    return files
+    # The writer's gzip files are never empty (a header even without records): 0 bytes is a
+    # truncated or lost file, bad input rather than a stage not yet run.
+    empty = next((p for p in paths if p.stat().st_size == 0), None)
+    if empty is not None:
+        raise DataError(
+            f"shard {empty} is empty (0 bytes): the data folder is damaged; redo it with "
+            "`recsys nightly --rerun-from preprocess` (or `recsys preprocess`)"
+        )
+    return [str(p) for p in paths]
 
 
 def read_examples(

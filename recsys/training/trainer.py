@@ -22,7 +22,8 @@ import recsys  # noqa: F401  (sets TF_USE_LEGACY_KERAS before TensorFlow is impo
 from recsys import evaluation as ev
 from recsys import schema
 from recsys.config import EvaluationConfig, RecsysConfig, TrainingConfig
-from recsys.errors import ConfigError, OutOfMemoryError
+from recsys.errors import ConfigError, OutOfMemoryError, StorageError, storage_errno
+from recsys.faults import fault_point
 from recsys.model import (
     ItemFeatures,
     TrainedModel,
@@ -37,6 +38,7 @@ from recsys.training.dataset import (
     load_split,
     training_dataset,
 )
+from recsys.training.memory import check_memory
 
 log = logging.getLogger(__name__)
 
@@ -270,6 +272,7 @@ class BackupEveryStepsAndEpoch(tf.keras.callbacks.BackupAndRestore):
             self._backup(epoch=self._current_epoch, batch=batch)
 
     def on_epoch_end(self, epoch: int, logs: dict[str, float] | None = None) -> None:
+        fault_point("train:checkpoint")
         super().on_epoch_end(epoch, logs)
         if self.save_freq != "epoch":
             # The saved step is the epoch's last one: resume starts the next epoch.
@@ -468,12 +471,13 @@ def train(
     replicas = strategy.num_replicas_in_sync
     jit = use_jit(tc.jit_compile, replicas, len(gpus))
     chief = is_chief(strategy)
+    stats = json.loads((data_dir / "stats.json").read_text())
+    check_memory(config, stats["users"], stats["items"], stats["splits"]["train"])
     with strategy.scope():
         trained, model = build_model(config, data_dir, precision, jit)
         if previous is not None:
             copied = warm_start(trained, previous)
             log.info("warm start from %s: rows taken over %s", tc.warm_start_from, copied)
-    stats = json.loads((data_dir / "stats.json").read_text())
     cached = use_cache(tc.cache, stats["splits"], trained, strategy)
     train_ds, val_ds = _datasets(config, data_dir, trained, strategy, stats["splits"], cached)
     timer = EpochTimer()
@@ -501,6 +505,14 @@ def train(
             train_ds, epochs=tc.epochs, validation_data=val_ds, callbacks=callbacks, verbose=0
         )
     except tf.errors.ResourceExhaustedError as exc:
+        # TensorFlow reports a full disk (a checkpoint write) with the same error type.
+        if storage_errno(exc) is not None:
+            raise StorageError(
+                f"training: {str(exc).splitlines()[0][:200]} (writing a checkpoint under "
+                f"{backup_dir}); the data and the checkpoints written so far are kept: free "
+                "space there and rerun the same command (training resumes from its last "
+                "checkpoint)"
+            ) from None
         raise OutOfMemoryError(
             f"out of memory training with training.batch_size={tc.batch_size} on "
             f"{replicas} replica(s): lower training.batch_size (e.g. {max(tc.batch_size // 2, 1)})"
