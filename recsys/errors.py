@@ -73,6 +73,12 @@ class StorageError(RecsysError):
     exit_code = 9
 
 
+class ServedModelError(RecsysError):
+    """A version that models.config routes TF Serving to is missing files or was altered."""
+
+    exit_code = 11
+
+
 class StageFailedError(RecsysError):
     """A stage failed for a reason that is not bad input or infrastructure (see the log)."""
 

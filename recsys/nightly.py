@@ -46,6 +46,7 @@ from recsys.layout import (
     stage_info,
 )
 from recsys.lock import WorkdirLock
+from serving_export.integrity import check_serving
 
 log = logging.getLogger(__name__)
 
@@ -176,6 +177,8 @@ class _Nightly:
         ):
             self._stage(name, redo, action)
         result = NightlyResult(self.date, data_dir, run_dir, self.outcomes)
+        # Every night, done or not: what TF Serving loads must be what was published.
+        check_serving(self.workdir.root)
         if result.already_done:
             log.info("nightly %s: every stage was already done; nothing to do", self.date)
             result.summary_path = run_dir / SUMMARY

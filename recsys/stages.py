@@ -24,7 +24,7 @@ import yaml
 from recsys.config import RecsysConfig
 from recsys.errors import ConfigError, DataError, StorageError
 from recsys.faults import fault_point
-from recsys.layout import Workdir, mark_complete, new_run_id, require_complete
+from recsys.layout import Workdir, mark_complete, new_run_id, replace_dir, require_complete
 from recsys.redact import redact_tree
 
 log = logging.getLogger(__name__)
@@ -271,6 +271,7 @@ def export(
     from recsys.layout import next_version
     from recsys.model import TrainedModel
     from serving_export.activity import read_activity
+    from serving_export.integrity import check_serving, record_checksums
     from serving_export.publish import finish_publish, publish_dir, stage_embeddings
     from serving_export.savedmodels import export_savedmodels
     from serving_export.verify import verify_export
@@ -306,12 +307,10 @@ def export(
         for name, path in staged.items():
             models[name] = workdir.export(name) / str(version)
             models[name].parent.mkdir(parents=True, exist_ok=True)
-            if models[name].exists():
-                # Published (verified) by this run before it was killed: the version is
-                # reserved for this run, so it is this very model; leave it as served.
-                log.info("export: %s already published, kept", models[name])
+            if keep_published(workdir.root / "export", name, version):
                 continue
-            os.replace(path, models[name])
+            replace_dir(path, models[name])
+            record_checksums(workdir.root / "export", name, version)
             fault_point("export:published-one")
     finally:
         shutil.rmtree(staging, ignore_errors=True)
@@ -335,7 +334,31 @@ def export(
             "verification": report,
         },
     )
+    if config.export.verify if verify is None else verify:
+        check_serving(workdir.root)  # what TF Serving loads, not only what was just staged
     return ExportResult(version, models, embeddings, report)
+
+
+def keep_published(export_root: Path, name: str, version: int) -> bool:
+    """True when export/<name>/<version> is already published intact (kept as served).
+
+    The version is reserved for this run, so a folder there was published (verified) by this
+    very run before a crash, or is being repaired: a broken one is replaced by the fresh,
+    verified copy; one without a record (a crash between rename and record) is recorded.
+    """
+    from serving_export.integrity import record_checksums, record_path, version_problems
+
+    folder = export_root / name / str(version)
+    if not folder.exists():
+        return False
+    problems = version_problems(export_root, name, version)
+    if problems:
+        log.warning("export: %s is broken (%s): replaced", folder, "; ".join(problems))
+        return False
+    if not record_path(export_root, name, version).is_file():
+        record_checksums(export_root, name, version)
+    log.info("export: %s already published, kept", folder)
+    return True
 
 
 def _reserve_version(run_dir: Path, workdir: Workdir, next_version: Any) -> int:

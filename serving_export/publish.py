@@ -130,6 +130,7 @@ def finish_publish(
     The versions labelled champion/challenger in models.config (set after promotion by
     recsys.promotion) and the new version are never pruned.
     """
+    from serving_export.integrity import forget_checksums
     from serving_export.serving_config import read_version_labels, write_models_config
 
     names = list(names)
@@ -140,6 +141,8 @@ def finish_publish(
         name: prune_versions(Path(export_root) / name, config.keep_versions, protect)
         for name in names
     }
+    for name in names:
+        forget_checksums(export_root, name, pruned[name])
     pruned["embeddings"] = prune_versions(embeddings_root, config.keep_versions, protect)
     if any(pruned.values()):
         log.info("pruned old versions: %s", {k: v for k, v in pruned.items() if v})
