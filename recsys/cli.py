@@ -154,9 +154,11 @@ def _dispatch(args: argparse.Namespace) -> int:
         )
     # A non-chief multi-worker `train` writes nothing here, and must not wait for the chief.
     if args.command in _WRITERS and not (args.command == "train" and _non_chief_worker()):
+        from recsys.layout import clean_temporaries
         from recsys.lock import WorkdirLock
 
         with WorkdirLock(workdir.root, command=f"recsys {args.command}"):
+            clean_temporaries(workdir.root)  # what a killed command left (as nightly does)
             return _run_stage(args, config, workdir, date)
     return _run_stage(args, config, workdir, date)
 
