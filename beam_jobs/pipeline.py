@@ -11,6 +11,7 @@
 the rejection rate, and publishes the folder by renaming it (see docs/PREPROCESSING.md).
 """
 
+import contextlib
 import datetime as dt
 import difflib
 import json
@@ -27,6 +28,7 @@ from apache_beam.typehints import no_annotations
 
 from beam_jobs.inputs import InputFile, list_input_files
 from beam_jobs.items import ReadItems, item_source
+from beam_jobs.loopback import loopback_grpc_servers
 from beam_jobs.readers import (
     Bounds,
     ReadAndValidate,
@@ -223,8 +225,11 @@ def run_preprocess(
     _quiet_beam_logging()
     output_dir = Path(output_dir)
     failure: DataError | None = None
+    # The local runner's worker servers stay on loopback; a remote runner's job server may
+    # need to reach the submitting process, so its servers are left as Beam makes them.
+    local = loopback_grpc_servers() if runner is not None else contextlib.nullcontext()
     with atomic_dir(output_dir) as tmp:
-        with beam.Pipeline(runner=runner, options=options) as p:
+        with local, beam.Pipeline(runner=runner, options=options) as p:
             build_pipeline(p, config, files, tmp, run_date)
         shutil.rmtree(tmp / SHUFFLE_DIR, ignore_errors=True)  # spilled batches, now written
         stats = json.loads((tmp / STATS_FILE).read_text(encoding="utf-8"))
