@@ -31,6 +31,7 @@ MAX_CONFIG_DEPTH = 20  # nesting levels of the YAML; the schema itself needs 4
 
 # One folder/file name (or an MLflow name that tools may turn into one): no separators, no
 # leading dot (hidden files, '.', '..'), nothing a shell or a URL would treat specially.
+_NUMBER_LIKE = re.compile(r"[0-9eE.+_-]{1,40}")
 _SAFE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,99}$")
 
 
@@ -448,8 +449,11 @@ class RecsysConfig(_Strict):
 
 
 def _is_scalar(value: Any) -> bool:
-    # Long strings may be paths or URIs with credentials: only short plain values are repeated.
-    return isinstance(value, int | float | bool) or (isinstance(value, str) and len(value) <= 40)
+    # Text may be a path, a URI or a secret: only numbers, and text that reads as one, are
+    # repeated in the message.
+    return isinstance(value, int | float | bool) or (
+        isinstance(value, str) and _NUMBER_LIKE.fullmatch(value) is not None
+    )
 
 
 def _flatten(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:

@@ -3,7 +3,8 @@
 The job's process tree is polled while `recsys preprocess` runs (the stage that runs Beam;
 the others open no listening socket with the local tracking store): each listening TCP socket
 of its processes (their fds -> socket inodes -> /proc/net/tcp{,6}) must be bound to
-127.0.0.1 or ::1. multi_processing's worker servers used to listen on [::].
+127.0.0.1 or ::1. The multi-threading and multi-processing modes' worker servers used to
+listen on [::].
 """
 
 from __future__ import annotations
@@ -20,7 +21,8 @@ from beam_jobs.loopback import loopback_address
 from tests.conftest import SMALL, SMALL_DATE
 
 LISTEN = "0A"
-LOOPBACK = {"0100007F", "00000000000000000000000001000000"}  # 127.0.0.1 and ::1, as /proc writes
+# 127.0.0.1, ::1 and ::ffff:127.0.0.1, as /proc/net/tcp{,6} write them.
+LOOPBACK = {"0100007F", "00000000000000000000000001000000", "0000000000000000FFFF00000100007F"}
 
 MODES = {
     "default": [],
