@@ -17,7 +17,7 @@ import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
-from recsys.errors import ServedModelError
+from recsys.core.errors import ServedModelError
 from serving_export.serving_config import MODELS_CONFIG
 
 CHECKSUMS_DIR = ".checksums"

@@ -12,9 +12,9 @@ from hypothesis import strategies as st
 from beam_jobs.pipeline import run_preprocess
 from beam_jobs.readers import LineCount, ReadSpec, read_delimited
 from beam_jobs.stats import ReconciliationError, check_reconciled
-from recsys.config import parse_config
-from recsys.errors import DataError
-from recsys.layout import end_of_day_utc
+from recsys.core.config import parse_config
+from recsys.core.errors import DataError
+from recsys.core.layout import end_of_day_utc
 from recsys.training.dataset import load_split
 
 RUN_DATE = dt.date(2026, 1, 5)
@@ -131,7 +131,7 @@ def test_a_mismatch_of_lines_fails_the_run_clearly() -> None:
         "rejected": 1,
         "duplicates": 1,
     }
-    with pytest.raises(ReconciliationError, match="input_lines=10 .* = 9: 1 line"):
+    with pytest.raises(ReconciliationError, match=r"input_lines=10 .* = 9: 1 line"):
         check_reconciled(stats)
 
 
@@ -185,5 +185,5 @@ def test_generated_logs_reconcile_by_lines_and_every_good_line_reaches_a_split(
             (u.decode(), i.decode(), int(t))
             for u, i, t in zip(got["user_id"], got["item_id"], got["timestamp"], strict=True)
         }
-    expected = {tuple(line.split(",")[:2]) + (int(line.split(",")[2]),) for line in good}
+    expected = {(u, i, int(t)) for u, i, t in (line.split(",") for line in good)}
     assert seen == expected

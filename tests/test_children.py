@@ -18,9 +18,9 @@ from pathlib import Path
 import pytest
 import yaml
 
-from recsys import stages
-from recsys.config import parse_config
-from recsys.layout import Workdir
+from conductor import stages
+from recsys.core.config import parse_config
+from recsys.core.layout import Workdir
 from tests.conftest import SMALL, SMALL_DATE
 
 pytestmark = pytest.mark.slow
@@ -65,7 +65,7 @@ def test_a_killed_export_takes_its_children_and_leaves_scratch_only_under_the_wo
     before = set(system_tmp.glob("recsys-verify-*"))
     args = ["export", "--verify", "--config", str(config_file), "--workdir", str(workdir.root),
             "--date", SMALL_DATE, "--run-id", run_dir.name]  # fmt: skip
-    proc = subprocess.Popen([sys.executable, "-m", "recsys.cli", *args],
+    proc = subprocess.Popen([sys.executable, "-m", "conductor.cli", *args],
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
     deadline = time.monotonic() + 600
     children: dict[int, str] = {}
@@ -84,7 +84,7 @@ def test_a_killed_export_takes_its_children_and_leaves_scratch_only_under_the_wo
     assert set(system_tmp.glob("recsys-verify-*")) == before
     scratch = list((workdir.root / "export").rglob(".tmp-recsys-verify-*"))
     assert scratch, "the reload check's scratch folder is under the workdir"
-    done = subprocess.run([sys.executable, "-m", "recsys.cli", *args, "--no-verify"],
+    done = subprocess.run([sys.executable, "-m", "conductor.cli", *args, "--no-verify"],
                           capture_output=True, text=True, timeout=600)  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
     assert not any(path.exists() for path in scratch)  # removed by the next command

@@ -18,10 +18,10 @@ from pathlib import Path
 import pytest
 import yaml
 
-from recsys import stages
-from recsys.config import parse_config
-from recsys.errors import ConfigError, DataError, StorageError
-from recsys.layout import Workdir
+from conductor import stages
+from recsys.core.config import parse_config
+from recsys.core.errors import ConfigError, DataError, StorageError
+from recsys.core.layout import Workdir
 from recsys.training.memory import check_memory
 from tests.conftest import SMALL, SMALL_DATE
 
@@ -29,7 +29,7 @@ from tests.conftest import SMALL, SMALL_DATE
 def _cli(*args: str, env: dict[str, str] | None = None) -> tuple[int, str]:
     """(exit code, stderr) of `recsys ARGS` in a fresh process."""
     proc = subprocess.run(
-        [sys.executable, "-m", "recsys.cli", *args],
+        [sys.executable, "-m", "conductor.cli", *args],
         capture_output=True,
         text=True,
         timeout=600,

@@ -18,10 +18,10 @@ from pathlib import Path
 import pytest
 import yaml
 
-from recsys import stages
-from recsys.config import RecsysConfig
-from recsys.errors import ServedModelError
-from recsys.layout import Workdir
+from conductor import stages
+from recsys.core.config import RecsysConfig
+from recsys.core.errors import ServedModelError
+from recsys.core.layout import Workdir
 from serving_export.integrity import check_routed, check_serving, record_path, routed_versions
 from serving_export.serving_config import set_version_labels
 from tests.conftest import SMALL_DATE
@@ -108,7 +108,7 @@ def test_export_verify_fails_with_exit_11_and_the_named_command_repairs(
     # The command the message names for the champion: it re-exports version 1 (verified) in
     # place; the broken challenger still fails the check.
     proc = subprocess.run(
-        [sys.executable, "-m", "recsys.cli", "export", "--verify", "--config", str(config_file),
+        [sys.executable, "-m", "conductor.cli", "export", "--verify", "--config", str(config_file),
          "--workdir", str(copy.root), "--date", SMALL_DATE, "--run-id", champion_run.name],
         capture_output=True, text=True, timeout=900,
     )  # fmt: skip

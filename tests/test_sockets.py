@@ -91,7 +91,7 @@ def test_the_beam_job_listens_on_loopback_only(tmp_path: Path, mode: str) -> Non
     config = tmp_path / "c.yaml"
     config.write_text(yaml.safe_dump(raw))
     proc = subprocess.Popen(
-        [sys.executable, "-m", "recsys.cli", "preprocess", "--config", str(config),
+        [sys.executable, "-m", "conductor.cli", "preprocess", "--config", str(config),
          "--workdir", str(tmp_path / "work"), "--date", SMALL_DATE],
         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
     )  # fmt: skip

@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 from mlflow import MlflowClient
 
-from recsys.tracking import default_tracking_uri
+from recsys.tracking.runs import default_tracking_uri
 
 pytestmark = pytest.mark.slow
 
@@ -29,8 +29,8 @@ NIGHT = textwrap.dedent(
     """
     import sys
     from pathlib import Path
-    from recsys.config import parse_config
-    from recsys.tracking import connect
+    from recsys.core.config import parse_config
+    from recsys.tracking.runs import connect
 
     work = Path(sys.argv[1])
     client = connect(parse_config({}), work)

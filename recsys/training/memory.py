@@ -18,8 +18,8 @@ import itertools
 import os
 from pathlib import Path
 
-from recsys.config import RecsysConfig
-from recsys.errors import ConfigError
+from recsys.core.config import RecsysConfig
+from recsys.core.errors import ConfigError
 from recsys.losses import BLOCK_ROWS
 
 FLOAT = 4  # bytes of float32

@@ -12,10 +12,10 @@ from typing import Annotated, Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from recsys.errors import ConfigError
-from recsys.redact import redact_tree
+from recsys.core.errors import ConfigError
+from recsys.core.redact import redact_tree
 
-REPO_CONFIGS = Path(__file__).resolve().parent.parent / "configs"
+REPO_CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 
 # Upper bounds of sizes and counts: far above any real run on one machine or cluster, low
 # enough that a typo (an extra zero, `1e9`) is a config error and not a stage that allocates
