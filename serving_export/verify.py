@@ -171,7 +171,7 @@ def _run_fresh_process_checks(
     saved_model_cli runs concurrently with the child: each is mostly a TensorFlow import.
     """
     # Scratch next to the exports (the staging folder), never in the system temp folder: a
-    # killed run leaves it where the next run removes it (recsys.layout.clean_temporaries).
+    # killed run leaves it where the next run removes it (recsys.core.layout.clean_temporaries).
     beside = Path(os.path.commonpath([str(path.parent) for path in exported.values()]))
     with tempfile.TemporaryDirectory(prefix=".tmp-recsys-verify-", dir=beside) as tmp:
         cli = {

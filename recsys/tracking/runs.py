@@ -74,7 +74,7 @@ def resolve_tracking_uri(config: RecsysConfig, workdir: Path) -> str:
     )
 
 
-_STORE_TMP = ".tmp-mlflow-"  # a store being created (recsys.layout.TEMP_PREFIXES style)
+_STORE_TMP = ".tmp-mlflow-"  # a store being created (recsys.core.layout.TEMP_PREFIXES style)
 
 # Tags that identify one nightly run: same date, config and data -> the same MLflow run.
 IDENTITY_TAGS = ("run_date", "config_digest", "data_fingerprint")
