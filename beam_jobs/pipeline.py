@@ -11,7 +11,9 @@
 the rejection rate, and publishes the folder by renaming it (see docs/PREPROCESSING.md).
 """
 
+import contextlib
 import datetime as dt
+import difflib
 import json
 import logging
 import shutil
@@ -26,7 +28,15 @@ from apache_beam.typehints import no_annotations
 
 from beam_jobs.inputs import InputFile, list_input_files
 from beam_jobs.items import ReadItems, item_source
-from beam_jobs.readers import Bounds, ReadAndValidate, ReadSpec, parquet_raw, read_spec
+from beam_jobs.loopback import loopback_grpc_servers
+from beam_jobs.readers import (
+    Bounds,
+    ReadAndValidate,
+    ReadSpec,
+    check_header,
+    parquet_raw,
+    read_spec,
+)
 from beam_jobs.records import Rejection
 from beam_jobs.sinks import REJECTED_DIR, WriteRejected
 from beam_jobs.split import SECONDS_PER_DAY, SplitAndWrite, SplitSettings
@@ -175,8 +185,28 @@ def pipeline_options(args: list[str]) -> tuple[PipelineOptions, Any]:
     --direct_num_workers just the same. An explicit --runner (DirectRunner included) is obeyed.
     """
     options = PipelineOptions(args)
+    check_known_options(options)
     runner = None if options.view_as(StandardOptions).runner else FnApiRunner()
     return options, runner
+
+
+def check_known_options(options: PipelineOptions) -> None:
+    """ConfigError naming the first option no Beam options class knows (e.g. `--runer`).
+
+    Beam itself only logs "Discarding unparseable args" and runs on with its defaults, so a
+    misspelt `--runner` would quietly run the job locally.
+    """
+    known = options.get_all_options()
+    given = options.get_all_options(retain_unknown_options=True)
+    unknown = [name for name in given if name not in known]
+    if unknown:
+        name = unknown[0]
+        close = difflib.get_close_matches(name, list(known), n=1)
+        hint = f" (did you mean --{close[0]}?)" if close else ""
+        raise ConfigError(
+            f"preprocess.beam_args: unknown Beam option --{name}{hint}; Beam would ignore it "
+            "and run with its defaults. Fix or remove it in the config"
+        )
 
 
 def run_preprocess(
@@ -188,18 +218,24 @@ def run_preprocess(
 ) -> dict[str, Any]:
     """Run the Beam job; publish output_dir atomically with _SUCCESS last; return the stats dict."""
     files = list_input_files(input_path, config.data.source, run_date)
+    spec = read_spec(config.data)
+    for f in files:
+        check_header(f.path, spec)
     options, runner = pipeline_options([*config.preprocess.beam_args, *(beam_args or [])])
     _quiet_beam_logging()
     output_dir = Path(output_dir)
     failure: DataError | None = None
+    # The local runner's worker servers stay on loopback; a remote runner's job server may
+    # need to reach the submitting process, so its servers are left as Beam makes them.
+    local = loopback_grpc_servers() if runner is not None else contextlib.nullcontext()
     with atomic_dir(output_dir) as tmp:
-        with beam.Pipeline(runner=runner, options=options) as p:
+        with local, beam.Pipeline(runner=runner, options=options) as p:
             build_pipeline(p, config, files, tmp, run_date)
         shutil.rmtree(tmp / SHUFFLE_DIR, ignore_errors=True)  # spilled batches, now written
         stats = json.loads((tmp / STATS_FILE).read_text(encoding="utf-8"))
         check_reconciled(stats)
         stats = add_drift(stats, tmp, output_dir)
-        failure = quality_failure(stats, config.preprocess.max_rejected_fraction, output_dir)
+        failure = quality_failure(stats, config.preprocess, output_dir)
         if failure is None:
             mark_complete(tmp)
     if failure is not None:
@@ -215,18 +251,26 @@ def run_preprocess(
 
 
 def quality_failure(
-    stats: dict[str, Any], max_rejected: float, output_dir: Path
+    stats: dict[str, Any], pp: PreprocessConfig, output_dir: Path
 ) -> DataError | None:
-    """The DataError to raise when too many rows were rejected or none accepted, else None."""
+    """The DataError to raise when too many lines were rejected or duplicated, or none kept."""
     rejected_dir = output_dir / REJECTED_DIR
     fraction = stats["rejected_fraction"]
-    if fraction > max_rejected:
+    if fraction > pp.max_rejected_fraction:
         top = sorted(stats["rejected_by_reason"].items(), key=lambda kv: (-kv[1], kv[0]))
         reasons = ", ".join(f"{reason}: {n}" for reason, n in top[:TOP_REASONS])
         return DataError(
-            f"{stats['rejected']} of {stats['input_rows']} input rows rejected "
-            f"({fraction:.2%}), above preprocess.max_rejected_fraction {max_rejected:.2%}; "
-            f"top reasons: {reasons}; see {rejected_dir}/ (output kept without _SUCCESS)"
+            f"{stats['rejected']} of {stats['input_lines']} input lines rejected "
+            f"({fraction:.2%}), above preprocess.max_rejected_fraction "
+            f"{pp.max_rejected_fraction:.2%}; top reasons: {reasons}; see {rejected_dir}/ "
+            "(output kept without _SUCCESS)"
+        )
+    if stats["duplicate_fraction"] > pp.max_duplicate_fraction:
+        return DataError(
+            f"{stats['duplicates']} of {stats['input_lines']} input lines are exact duplicates "
+            f"({stats['duplicate_fraction']:.2%}), above preprocess.max_duplicate_fraction "
+            f"{pp.max_duplicate_fraction:.2%}; each is listed (file, row) with reason "
+            f"'duplicate' in {rejected_dir}/ (output kept without _SUCCESS)"
         )
     if stats["accepted"] == 0:
         return DataError(

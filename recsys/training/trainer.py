@@ -21,7 +21,7 @@ import tensorflow as tf
 from recsys import evaluation as ev
 from recsys.core import schema
 from recsys.core.config import EvaluationConfig, RecsysConfig, TrainingConfig
-from recsys.core.errors import ConfigError, OutOfMemoryError
+from recsys.core.errors import ConfigError, OutOfMemoryError, StorageError, storage_errno
 from recsys.core.layout import DataFile
 from recsys.data_io import load_split
 from recsys.model import (
@@ -34,6 +34,7 @@ from recsys.model import (
 )
 from recsys.training.dataset import in_memory_bytes, in_memory_dataset, training_dataset
 from recsys.training.keras_backup_adapter import BackupEveryStepsAndEpoch
+from recsys.training.memory import check_memory
 
 log = logging.getLogger(__name__)
 
@@ -428,12 +429,13 @@ def train(
     replicas = strategy.num_replicas_in_sync
     jit = use_jit(tc.jit_compile, replicas, len(gpus))
     chief = is_chief(strategy)
+    stats = json.loads((data_dir / DataFile.STATS).read_text())
+    check_memory(config, stats["users"], stats["items"], stats["splits"]["train"])
     with strategy.scope():
         trained, model = build_model(config, data_dir, precision, jit)
         if previous is not None:
             copied = warm_start(trained, previous)
             log.info("warm start from %s: rows taken over %s", tc.warm_start_from, copied)
-    stats = json.loads((data_dir / DataFile.STATS).read_text())
     cached = use_cache(tc.cache, stats["splits"], trained, strategy)
     train_ds, val_ds = _datasets(config, data_dir, trained, strategy, stats["splits"], cached)
     timer = EpochTimer()
@@ -461,6 +463,14 @@ def train(
             train_ds, epochs=tc.epochs, validation_data=val_ds, callbacks=callbacks, verbose=0
         )
     except tf.errors.ResourceExhaustedError as exc:
+        # TensorFlow reports a full disk (a checkpoint write) with the same error type.
+        if storage_errno(exc) is not None:
+            raise StorageError(
+                f"training: {str(exc).splitlines()[0][:200]} (writing a checkpoint under "
+                f"{backup_dir}); the data and the checkpoints written so far are kept: free "
+                "space there and rerun the same command (training resumes from its last "
+                "checkpoint)"
+            ) from None
         raise OutOfMemoryError(
             f"out of memory training with training.batch_size={tc.batch_size} on "
             f"{replicas} replica(s): lower training.batch_size (e.g. {max(tc.batch_size // 2, 1)})"
