@@ -15,7 +15,7 @@ from beam_jobs.stats import ReconciliationError, check_reconciled
 from recsys.core.config import parse_config
 from recsys.core.errors import DataError
 from recsys.core.layout import end_of_day_utc
-from recsys.training.dataset import load_split
+from recsys.data_io import load_split
 
 RUN_DATE = dt.date(2026, 1, 5)
 CUTOFF = end_of_day_utc(RUN_DATE)

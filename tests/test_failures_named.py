@@ -213,7 +213,7 @@ def test_an_empty_shard_is_bad_input_exit_3(trained_workdir: tuple, tmp_path: Pa
 
 
 def test_an_empty_shard_is_a_data_error(tmp_path: Path) -> None:
-    from recsys.training.dataset import split_files
+    from recsys.data_io import split_files
 
     (tmp_path / "train-00000-of-00001.tfrecord.gz").write_bytes(b"")
     with pytest.raises(DataError, match="is empty"):
