@@ -20,14 +20,13 @@ from pathlib import Path
 from typing import Any
 
 import apache_beam as beam
-from apache_beam.options.pipeline_options import PipelineOptions, StandardOptions
-from apache_beam.runners.portability.fn_api_runner import FnApiRunner
 from apache_beam.typehints import no_annotations
 
 from beam_jobs.inputs import InputFile, list_input_files
 from beam_jobs.items import ReadItems, item_source
 from beam_jobs.readers import Bounds, ReadAndValidate, ReadSpec, parquet_raw, read_spec
 from beam_jobs.records import Rejection
+from beam_jobs.runners import job_runner
 from beam_jobs.sinks import REJECTED_DIR, WriteRejected
 from beam_jobs.split import SECONDS_PER_DAY, SplitAndWrite, SplitSettings
 from beam_jobs.stats import (
@@ -94,7 +93,7 @@ def build_pipeline(
         | "AllRejected" >> beam.Flatten()
         | "FillRaw" >> FillRaw(spec)
     )
-    _ = rejected | "WriteRejected" >> WriteRejected(out)
+    _ = rejected | "WriteRejected" >> WriteRejected(out, pp.num_shards)
     users_side = user_source(config.data, paths)
     user_features, user_names = None, ()
     if users_side is not None:
@@ -165,20 +164,6 @@ class FillRaw(beam.PTransform):
         return (complete, filled) | "WithRaw" >> beam.Flatten()
 
 
-def pipeline_options(args: list[str]) -> tuple[PipelineOptions, Any]:
-    """Options from the Beam command-line flags, and the runner to use (None: the flags' own).
-
-    Without --runner, Beam 2.77's DirectRunner first tries Prism: it downloads the Prism binary
-    from GitHub (offline: a failed lookup, then a fallback to the FnApiRunner; behind a firewall
-    that drops packets: a wait for the timeout; online: a different runner fetched at run time).
-    Using the FnApiRunner directly skips all that; it honours --direct_running_mode and
-    --direct_num_workers just the same. An explicit --runner (DirectRunner included) is obeyed.
-    """
-    options = PipelineOptions(args)
-    runner = None if options.view_as(StandardOptions).runner else FnApiRunner()
-    return options, runner
-
-
 def run_preprocess(
     config: RecsysConfig,
     input_path: str | Path,
@@ -188,12 +173,14 @@ def run_preprocess(
 ) -> dict[str, Any]:
     """Run the Beam job; publish output_dir atomically with _SUCCESS last; return the stats dict."""
     files = list_input_files(input_path, config.data.source, run_date)
-    options, runner = pipeline_options([*config.preprocess.beam_args, *(beam_args or [])])
     _quiet_beam_logging()
     output_dir = Path(output_dir)
     failure: DataError | None = None
     with atomic_dir(output_dir) as tmp:
-        with beam.Pipeline(runner=runner, options=options) as p:
+        with (
+            job_runner(config.preprocess, beam_args or []) as (options, runner),
+            beam.Pipeline(runner=runner, options=options) as p,
+        ):
             build_pipeline(p, config, files, tmp, run_date)
         shutil.rmtree(tmp / SHUFFLE_DIR, ignore_errors=True)  # spilled batches, now written
         stats = json.loads((tmp / STATS_FILE).read_text(encoding="utf-8"))
