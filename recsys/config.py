@@ -280,7 +280,10 @@ class TrainingConfig(_Strict):
     deterministic: bool = False
     # auto: multi_worker when TF_CONFIG names several workers, mirrored on several GPUs,
     # else one_device (docs/TRAINING.md).
-    strategy: Literal["auto", "one_device", "mirrored", "multi_worker"] = "auto"
+    # parameter_server: TF_CONFIG names a chief, workers and ps tasks; variables of at least
+    # ps_min_shard_bytes are split over the ps tasks (docs/TRAINING.md "Parameter servers").
+    strategy: Literal["auto", "one_device", "mirrored", "multi_worker", "parameter_server"] = "auto"
+    ps_min_shard_bytes: int = Field(256 << 10, ge=1)
     # auto: mixed_float16 on GPUs with compute capability >= 7.0, else float32.
     precision: Literal["auto", "float32", "mixed_bfloat16", "mixed_float16"] = "auto"
     gpu_memory_growth: bool = True
