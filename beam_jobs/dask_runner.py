@@ -146,6 +146,12 @@ def _grouped(group: tuple[Any, list[tuple[Any, Any]]]) -> tuple[Any, list[Any]]:
     return key, [defenestrate(pair[1]) for pair in pairs]
 
 
+def _nothing(partition: Iterable[Any]) -> list[Any]:
+    for _ in partition:  # a lazy partition runs its upstream when consumed
+        pass
+    return []
+
+
 def _concat(partitions: list[list[Any]]) -> list[Any]:
     return [value for partition in partitions for value in partition]
 
@@ -213,9 +219,10 @@ class _Visitor(PipelineVisitor):
         return input_bag.map_partitions(_run_bundle, pardo, window_fn, sides, *values)
 
     def leaves(self) -> list[db.Bag]:
-        """Every bag nothing reads: computing these runs the whole pipeline."""
+        """Every bag nothing reads, emptied: computing these runs the whole pipeline, and no
+        element travels back to the client."""
         unread = [bag for pcoll, bag in self.bags.items() if pcoll not in self.consumed]
-        return unread + self.sinks
+        return [bag.map_partitions(_nothing) for bag in unread + self.sinks]
 
 
 class MendedDaskRunner(DaskRunner):

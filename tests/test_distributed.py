@@ -349,6 +349,7 @@ def test_parameter_servers_train_the_model_multi_worker_mirrored_trains(
     validator = validation_callback(parse_config(raw), data_dir, reloaded)
     counts = pq.read_table(data_dir / "item_features.parquet")["train_count"].to_numpy()
     floor = ev.evaluate(ev.popularity_scores(counts), validator.eval_set, validator.eval_config)
+    print(f"val recall@10: {recall}, popularity {floor.metrics['recall_at_10']:.4f}")
     assert min(recall.values()) > floor.metrics["recall_at_10"] + 0.1
     # The sharded checkpoint restores into plain variables: the same recall on one device.
     assert validator.score() == pytest.approx(recall["parameter_server"], abs=1e-9)
