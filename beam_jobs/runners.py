@@ -17,7 +17,7 @@ from typing import Any
 from apache_beam.options.pipeline_options import PipelineOptions, StandardOptions
 from apache_beam.runners.portability.fn_api_runner import FnApiRunner
 
-from recsys.config import PreprocessConfig
+from recsys.core.config import PreprocessConfig
 
 log = logging.getLogger(__name__)
 

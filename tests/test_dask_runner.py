@@ -27,9 +27,9 @@ from apache_beam.runners.dask.dask_runner import DaskRunner
 from beam_jobs.dask_runner import MendedDaskRunner
 from beam_jobs.pipeline import run_preprocess
 from beam_jobs.runners import job_runner
-from recsys.config import RecsysConfig, parse_config
-from recsys.errors import ConfigError
-from recsys.layout import SUCCESS
+from recsys.core.config import RecsysConfig, parse_config
+from recsys.core.errors import ConfigError
+from recsys.core.layout import SUCCESS
 from recsys.synthetic import write_csv
 
 REPO = Path(__file__).resolve().parent.parent

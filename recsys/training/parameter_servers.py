@@ -17,8 +17,7 @@ from collections.abc import Callable
 
 import tensorflow as tf
 
-import recsys  # noqa: F401  (sets TF_USE_LEGACY_KERAS before TensorFlow is imported)
-from recsys.errors import ConfigError
+from recsys.core.errors import ConfigError
 
 log = logging.getLogger(__name__)
 
