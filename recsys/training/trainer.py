@@ -359,7 +359,8 @@ def write_dir(path: Path, chief: bool) -> Path:
 def make_strategy(
     name: str, gpus: list[tf.config.PhysicalDevice], min_shard_bytes: int = 256 << 10
 ) -> tf.distribute.Strategy:
-    """The device layout: auto picks multi_worker / mirrored / one_device (docs/TRAINING.md)."""
+    """The device layout: auto picks multi_worker / mirrored / one_device; parameter_server
+    only when asked (docs/TRAINING.md)."""
     if name == "parameter_server":  # on a worker or ps task this serves and never returns
         return parameter_server_strategy(min_shard_bytes)
     workers = tf_config_workers()
