@@ -96,24 +96,6 @@ def test_two_replicas_match_one_replica_on_the_same_global_batch() -> None:
     assert out["weight_diff"] < 1e-5
 
 
-WORKER_CHILD = textwrap.dedent(
-    """
-    import datetime as dt, json, sys
-    import recsys
-    from pathlib import Path
-    from conductor import stages
-    from recsys.core.config import RecsysConfig
-    from recsys.core.layout import Workdir
-
-    config = RecsysConfig.model_validate_json(Path(sys.argv[1]).read_text())
-    date = dt.date.fromisoformat(sys.argv[3])
-    run_dir, result = stages.train(config, Workdir(Path(sys.argv[2])), date)
-    print(json.dumps({"replicas": result.replicas, "strategy": result.strategy,
-                      "loss": result.history["loss"], "run_dir": run_dir and str(run_dir)}))
-    """
-)
-
-
 def _free_ports(n: int) -> list[int]:
     import socket
 
@@ -124,61 +106,6 @@ def _free_ports(n: int) -> list[int]:
     for s in sockets:
         s.close()
     return ports
-
-
-@pytest.mark.slow
-def test_multi_worker_mirrored_on_two_local_processes(tmp_path: Path) -> None:
-    """strategy auto + a 2-worker TF_CONFIG -> MultiWorkerMirroredStrategy, one shared model."""
-    import datetime as dt
-
-    from conductor import stages
-    from recsys.core.config import parse_config
-    from recsys.core.layout import Workdir
-    from tests.conftest import SMALL, SMALL_DATE
-
-    config = parse_config(SMALL)
-    work = Workdir(tmp_path / "work")
-    stages.preprocess(config, work, dt.date.fromisoformat(SMALL_DATE))
-    raw = config.model_dump(mode="json")
-    raw["training"].update({"epochs": 1, "batch_size": 256, "strategy": "auto"})
-    (tmp_path / "config.json").write_text(json.dumps(raw))
-    cluster = {"worker": [f"127.0.0.1:{port}" for port in _free_ports(2)]}
-    args = [str(work.root), SMALL_DATE]
-    workers = []
-    for index in range(2):
-        env = _child_env()
-        env["TF_CONFIG"] = json.dumps(
-            {"cluster": cluster, "task": {"type": "worker", "index": index}}
-        )
-        workers.append(
-            subprocess.Popen(
-                [sys.executable, "-c", WORKER_CHILD, str(tmp_path / "config.json"), *args],
-                stdout=subprocess.PIPE,
-                stderr=subprocess.PIPE,
-                text=True,
-                env=env,
-            )
-        )
-    outputs = []
-    try:
-        for proc in workers:
-            stdout, stderr = proc.communicate(timeout=300)
-            assert proc.returncode == 0, stderr[-3000:]
-            outputs.append(_last_json(stdout))
-    finally:
-        for proc in workers:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
-    assert [o["strategy"] for o in outputs] == ["multi_worker"] * 2
-    assert [o["replicas"] for o in outputs] == [2, 2]
-    # Both workers hold the same synchronously trained model: the same mean loss.
-    assert outputs[0]["loss"] == pytest.approx(outputs[1]["loss"], rel=1e-4)
-    # Only the chief (worker 0: the cluster names no chief) wrote a run folder.
-    assert outputs[1]["run_dir"] is None
-    runs = list(work.runs(dt.date.fromisoformat(SMALL_DATE)).iterdir())
-    assert [str(p) for p in runs] == [outputs[0]["run_dir"]]
-    assert (runs[0] / "_SUCCESS").is_file() and (runs[0] / "model" / "model.json").is_file()
 
 
 TRAINER_MIRRORED_CHILD = textwrap.dedent(
@@ -260,8 +187,9 @@ TRAIN_CHILD = textwrap.dedent(
     run_dir, result = stages.train(config, work, dt.date(2026, 1, 5), data_dir=data_dir)
     towers = (result.model.query_tower, result.model.candidate_tower)
     parts = sorted({v.device for t in towers for v in t.variables if "/part_" in v.name})
-    print(json.dumps({"strategy": result.strategy, "history": result.history,
-                      "run_dir": run_dir and str(run_dir), "shard_devices": parts}))
+    print(json.dumps({"strategy": result.strategy, "replicas": result.replicas,
+                      "history": result.history, "run_dir": run_dir and str(run_dir),
+                      "shard_devices": parts}))
     """
 )
 
@@ -299,7 +227,8 @@ def _stop(procs: dict[tuple[str, int], subprocess.Popen]) -> None:
 def test_parameter_servers_train_the_model_multi_worker_mirrored_trains(
     tmp_path: Path, prepared: tuple
 ) -> None:
-    """chief + 2 workers + 2 PS (tables sharded) vs 2 MultiWorkerMirrored workers, same model.
+    """chief + 2 workers + 2 PS (tables sharded) vs 2 MultiWorkerMirrored workers, same model,
+    both through stages.train (the CLI's path: checkpoints, the chief's run folder).
 
     Both reach the same exact validation recall@10 within seed noise (101 validation users;
     one device, 4 epochs, seeds 1-3: .436-.455, 5 epochs: .426-.505; popularity .277), and
@@ -320,25 +249,36 @@ def test_parameter_servers_train_the_model_multi_worker_mirrored_trains(
     layouts = {
         # 1 KiB: SMALL's 16-dim user (2.4 KiB) and item (1.3 KiB) tables split over both PS.
         "parameter_server": {"chief": 1, "worker": 2, "ps": 2},
-        "multi_worker": {"worker": 2},
+        # strategy auto + a 2-worker TF_CONFIG -> MultiWorkerMirroredStrategy.
+        "auto": {"worker": 2},
     }
-    outputs = {}
+    outputs, others = {}, {}
     for name, roles in layouts.items():  # one cluster at a time: 7 TF processes starve 2 cores
         tc = {**raw["training"], "strategy": name, "ps_min_shard_bytes": 1024}
         (tmp_path / f"{name}.json").write_text(json.dumps({**raw, "training": tc}))
         procs = _cluster(roles, tmp_path / f"{name}.json", tmp_path / name, data_dir)
         try:
-            chief = procs[("chief", 0) if "chief" in roles else ("worker", 0)]
-            stdout, stderr = chief.communicate(timeout=600)
-            assert chief.returncode == 0, stderr[-3000:]
-            outputs[name] = _last_json(stdout)
+            # The chief, then every other task that returns (MultiWorker's worker 1).
+            ends = [("chief", 0)] if "chief" in roles else [("worker", 0), ("worker", 1)]
+            for key in ends:
+                stdout, stderr = procs[key].communicate(timeout=600)
+                assert procs[key].returncode == 0, stderr[-3000:]
+                (others if key == ("worker", 1) else outputs)[name] = _last_json(stdout)
         finally:
             _stop(procs)
+    outputs["multi_worker"] = outputs.pop("auto")
     ps, mirrored = outputs["parameter_server"], outputs["multi_worker"]
     assert (ps["strategy"], mirrored["strategy"]) == ("parameter_server", "multi_worker")
     assert any("/job:ps/replica:0/task:0" in d for d in ps["shard_devices"])
     assert any("/job:ps/replica:0/task:1" in d for d in ps["shard_devices"])
     assert mirrored["shard_devices"] == []
+    # MultiWorker: both workers hold the same synchronously trained model (same mean loss);
+    # only the chief (worker 0: the cluster names no chief) wrote a run folder.
+    assert [mirrored["replicas"], others["auto"]["replicas"]] == [2, 2]
+    assert others["auto"]["history"]["loss"] == pytest.approx(mirrored["history"]["loss"], rel=1e-4)
+    assert others["auto"]["run_dir"] is None
+    assert [str(p) for p in Path(mirrored["run_dir"]).parent.iterdir()] == [mirrored["run_dir"]]
+    assert (Path(mirrored["run_dir"]) / "model" / "model.json").is_file()
     recall = {name: out["history"]["val_recall_at_10"][-1] for name, out in outputs.items()}
     assert recall["parameter_server"] == pytest.approx(recall["multi_worker"], abs=0.08)
     # Popularity on the same validation users: the floor both must clear by a margin.
