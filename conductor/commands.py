@@ -17,7 +17,7 @@ from recsys.ab import workflow as ab_workflow
 from recsys.ab.planning import format_plan, plan
 from recsys.core.config import RecsysConfig
 from recsys.core.errors import ConfigError
-from recsys.core.layout import parse_date
+from recsys.core.layout import DataFile, RunFile, parse_date
 from recsys.tracking.compare import compare, format_table
 from recsys.tracking.runs import record_ab_metric
 from recsys.training.trainer import is_chief
@@ -65,7 +65,7 @@ def _run_stage(args: argparse.Namespace, config: Any, workdir: Any, date: Any) -
         )
     elif args.command == "evaluate":
         run_dir, report = stages.evaluate(config, workdir, date, args.run_id)
-        print(f"metrics: {run_dir / 'metrics.json'}")
+        print(f"metrics: {run_dir / RunFile.METRICS}")
         _print_metrics(report)
     elif args.command == "export":
         exported = stages.export(config, workdir, date, args.run_id, args.verify)
@@ -182,14 +182,14 @@ def _print_nightly(result: Any) -> None:
         "stages:      "
         + ", ".join(f"{s.name} {s.status} ({s.seconds:.1f} s)" for s in result.stages)
     )
-    exported = json.loads((result.run_dir / "export.json").read_text())
+    exported = json.loads((result.run_dir / RunFile.EXPORT).read_text())
     for name, path in exported.get("models", {}).items():
         print(f"savedmodel:  {name} -> {path}")
     for name, path in exported.get("embeddings", {}).items():
         print(f"embeddings:  {name} -> {path}")
     publish = result.info("publish")
     print(f"mlflow run:  {publish.get('mlflow_run_id')}")
-    metrics = json.loads((result.run_dir / "metrics.json").read_text())
+    metrics = json.loads((result.run_dir / RunFile.METRICS).read_text())
     _print_metrics(metrics)
     print(
         f"registered:  version {publish.get('registered_version')} "
@@ -220,7 +220,7 @@ def _print_checks(checks: list[dict[str, Any]]) -> None:
 
 
 def _read_stats(data_dir: Path) -> dict[str, Any]:
-    return json.loads((data_dir / "stats.json").read_text())
+    return json.loads((data_dir / DataFile.STATS).read_text())
 
 
 def _print_stats(out: Path, stats: dict[str, Any]) -> None:
