@@ -13,7 +13,6 @@ the rejection rate, and publishes the folder by renaming it (see docs/PREPROCESS
 
 import contextlib
 import datetime as dt
-import difflib
 import json
 import logging
 import shutil
@@ -22,7 +21,6 @@ from pathlib import Path
 from typing import Any
 
 import apache_beam as beam
-from apache_beam.options.pipeline_options import PipelineOptions, StandardOptions
 from apache_beam.runners.portability.fn_api_runner import FnApiRunner
 from apache_beam.typehints import no_annotations
 
@@ -38,6 +36,7 @@ from beam_jobs.readers import (
     read_spec,
 )
 from beam_jobs.records import Rejection
+from beam_jobs.runners import job_runner
 from beam_jobs.sinks import REJECTED_DIR, WriteRejected
 from beam_jobs.split import SECONDS_PER_DAY, SplitAndWrite, SplitSettings
 from beam_jobs.stats import (
@@ -104,7 +103,7 @@ def build_pipeline(
         | "AllRejected" >> beam.Flatten()
         | "FillRaw" >> FillRaw(spec)
     )
-    _ = rejected | "WriteRejected" >> WriteRejected(out)
+    _ = rejected | "WriteRejected" >> WriteRejected(out, pp.num_shards)
     users_side = user_source(config.data, paths)
     user_features, user_names = None, ()
     if users_side is not None:
@@ -175,40 +174,6 @@ class FillRaw(beam.PTransform):
         return (complete, filled) | "WithRaw" >> beam.Flatten()
 
 
-def pipeline_options(args: list[str]) -> tuple[PipelineOptions, Any]:
-    """Options from the Beam command-line flags, and the runner to use (None: the flags' own).
-
-    Without --runner, Beam 2.77's DirectRunner first tries Prism: it downloads the Prism binary
-    from GitHub (offline: a failed lookup, then a fallback to the FnApiRunner; behind a firewall
-    that drops packets: a wait for the timeout; online: a different runner fetched at run time).
-    Using the FnApiRunner directly skips all that; it honours --direct_running_mode and
-    --direct_num_workers just the same. An explicit --runner (DirectRunner included) is obeyed.
-    """
-    options = PipelineOptions(args)
-    check_known_options(options)
-    runner = None if options.view_as(StandardOptions).runner else FnApiRunner()
-    return options, runner
-
-
-def check_known_options(options: PipelineOptions) -> None:
-    """ConfigError naming the first option no Beam options class knows (e.g. `--runer`).
-
-    Beam itself only logs "Discarding unparseable args" and runs on with its defaults, so a
-    misspelt `--runner` would quietly run the job locally.
-    """
-    known = options.get_all_options()
-    given = options.get_all_options(retain_unknown_options=True)
-    unknown = [name for name in given if name not in known]
-    if unknown:
-        name = unknown[0]
-        close = difflib.get_close_matches(name, list(known), n=1)
-        hint = f" (did you mean --{close[0]}?)" if close else ""
-        raise ConfigError(
-            f"preprocess.beam_args: unknown Beam option --{name}{hint}; Beam would ignore it "
-            "and run with its defaults. Fix or remove it in the config"
-        )
-
-
 def run_preprocess(
     config: RecsysConfig,
     input_path: str | Path,
@@ -221,16 +186,21 @@ def run_preprocess(
     spec = read_spec(config.data)
     for f in files:
         check_header(f.path, spec)
-    options, runner = pipeline_options([*config.preprocess.beam_args, *(beam_args or [])])
     _quiet_beam_logging()
     output_dir = Path(output_dir)
     failure: DataError | None = None
-    # The local runner's worker servers stay on loopback; a remote runner's job server may
-    # need to reach the submitting process, so its servers are left as Beam makes them.
-    local = loopback_grpc_servers() if runner is not None else contextlib.nullcontext()
     with atomic_dir(output_dir) as tmp:
-        with local, beam.Pipeline(runner=runner, options=options) as p:
-            build_pipeline(p, config, files, tmp, run_date)
+        with job_runner(config.preprocess, beam_args or []) as (options, runner):
+            # The local runner's worker servers stay on loopback; a remote runner's job server
+            # may need to reach the submitting process, so its servers are left as Beam makes
+            # them (the Dask runner opens none).
+            local = (
+                loopback_grpc_servers()
+                if isinstance(runner, FnApiRunner)
+                else contextlib.nullcontext()
+            )
+            with local, beam.Pipeline(runner=runner, options=options) as p:
+                build_pipeline(p, config, files, tmp, run_date)
         shutil.rmtree(tmp / SHUFFLE_DIR, ignore_errors=True)  # spilled batches, now written
         stats = json.loads((tmp / STATS_FILE).read_text(encoding="utf-8"))
         check_reconciled(stats)

@@ -236,6 +236,27 @@ class PreprocessConfig(_Strict):
     # output's temporary folder and shuffles only their paths, so memory stays flat with the
     # in-process runner; "beam" sends the batches through the runner's own shuffle.
     shuffle: Literal["files", "beam"] = "files"
+    # Where the job runs (docs/PREPROCESSING.md "Runners"): direct = in this process; dask =
+    # a dask.distributed cluster at runner_address (none: a local one, a worker per core);
+    # dataflow / flink / spark = Beam's runners, configured further through beam_args.
+    runner: Literal["direct", "dask", "dataflow", "flink", "spark"] = "direct"
+    # The cluster: a Dask scheduler (tcp://host:8786), a Flink master (host:8081), a Spark
+    # master URL (spark://host:7077). Not used by direct and dataflow.
+    runner_address: str | None = None
+
+    @model_validator(mode="after")
+    def _one_runner(self) -> PreprocessConfig:
+        if self.runner_address and self.runner in ("direct", "dataflow"):
+            raise ValueError(
+                f"preprocess.runner_address is for dask, flink or spark, not {self.runner!r}"
+                " (Dataflow takes --project and --region in beam_args)"
+            )
+        if self.runner != "direct" and any(a.startswith("--runner") for a in self.beam_args):
+            raise ValueError(
+                f"preprocess.beam_args names a --runner while preprocess.runner is "
+                f"{self.runner!r}: set the runner in one place"
+            )
+        return self
 
 
 class ModelConfig(_Strict):
@@ -289,7 +310,10 @@ class TrainingConfig(_Strict):
     deterministic: bool = False
     # auto: multi_worker when TF_CONFIG names several workers, mirrored on several GPUs,
     # else one_device (docs/TRAINING.md).
-    strategy: Literal["auto", "one_device", "mirrored", "multi_worker"] = "auto"
+    # parameter_server: TF_CONFIG names a chief, workers and ps tasks; variables of at least
+    # ps_min_shard_bytes are split over the ps tasks (docs/TRAINING.md "Parameter servers").
+    strategy: Literal["auto", "one_device", "mirrored", "multi_worker", "parameter_server"] = "auto"
+    ps_min_shard_bytes: int = Field(256 << 10, ge=1)
     # auto: mixed_float16 on GPUs with compute capability >= 7.0, else float32.
     precision: Literal["auto", "float32", "mixed_bfloat16", "mixed_float16"] = "auto"
     gpu_memory_growth: bool = True
