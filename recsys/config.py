@@ -138,6 +138,13 @@ class SyntheticConfig(_Strict):
     days: int = Field(14, ge=1)
     seed: int = 7
     item_features: bool = True
+    # taste: the original per-user model (every user scores the whole catalog: small logs
+    # only; the default data). sessions: vectorised, for logs of millions of rows: sessions
+    # on one topic each, whose items follow one another in a fixed order (recsys/synthetic.py).
+    shape: Literal["taste", "sessions"] = "taste"
+    topics: int = Field(32, ge=1)
+    mean_session_length: float = Field(5.0, ge=1)
+    sequential_probability: float = Field(0.6, ge=0, le=1)
 
     @field_validator("start_date")
     @classmethod
@@ -241,7 +248,10 @@ class TrainingConfig(_Strict):
 
     batch_size: int = Field(1024, ge=1)
     epochs: int = Field(10, ge=1)
-    optimizer: Literal["adagrad", "adam"] = "adam"
+    # lazy_adam: Adam whose embedding-table steps touch only the batch's rows (per-step cost
+    # independent of the vocabulary; recsys/training/lazy_adam.py); adam: tf_keras Adam,
+    # which updates every row of every table each step.
+    optimizer: Literal["adagrad", "adam", "lazy_adam"] = "lazy_adam"
     learning_rate: float = Field(0.01, gt=0)
     shuffle_buffer: int = Field(100_000, ge=1)
     # Keep the parsed, id-looked-up split in memory after one read and reshuffle it whole every
@@ -286,6 +296,11 @@ class EvaluationConfig(_Strict):
     mrr_k: int = 100
     coverage_k: int = 10
     user_batch_size: int = Field(512, ge=1)
+    # Evaluate a uniform sample of this many test users (0: all of them; exact ranking either
+    # way). For catalogs x users too large to rank nightly; metrics.json then reports each
+    # metric's 95% interval for the whole test population (recsys/evaluation.py).
+    sample_users: int = Field(0, ge=0)
+    sample_seed: int = 0
 
     @field_validator("ks")
     @classmethod

@@ -198,15 +198,25 @@ def evaluate_model(config: RecsysConfig, model_dir: Path, data_dir: Path) -> tup
     `recsys evaluate` and the champion/challenger gate both call this, so a champion
     re-evaluated on today's data is scored exactly as the challenger.
     """
+    import itertools
+
     from recsys import evaluation as ev
+    from recsys import schema
     from recsys.model import TrainedModel
-    from recsys.training.dataset import load_split
+    from recsys.training.dataset import iter_split, load_split
 
     model = TrainedModel.load(model_dir)
     test = load_split(data_dir, "test")
-    eval_set = ev.build_eval_set(
-        model.items, test, [load_split(data_dir, "train"), load_split(data_dir, "validation")]
+    population = len(test[schema.USER_ID])
+    sample = config.evaluation.sample_users
+    test = ev.sample_rows(test, sample, config.evaluation.sample_seed)
+    ids = (schema.USER_ID, schema.ITEM_ID)
+    known = itertools.chain(
+        iter_split(data_dir, "train", ids), iter_split(data_dir, "validation", ids)
     )
+    eval_set = ev.build_eval_set(model.items, test, known)
+    if sample and sample < population:
+        eval_set.population = population
     # Each test example carries the user's history before the test item (empty if the data
     # has none): the query the model would have seen at that moment.
     histories = list(test["history"]) if "history" in test else None
@@ -236,6 +246,9 @@ def evaluate(
         "protocol": "leave-last-out test item; train+validation items removed; full catalog",
         "model": result.metrics,
         "baselines": {"popularity": baseline.metrics},
+        # 95% intervals over users; of the whole test population's metric when sampled.
+        "intervals": {"model": result.intervals, "popularity": baseline.intervals},
+        "sample": {"users": len(eval_set.users), "of": eval_set.population or len(eval_set.users)},
     }
     _write_json(run_dir / "metrics.json", report)
     return run_dir, report

@@ -42,7 +42,8 @@ def read_activity(
     """
     from recsys.training.dataset import load_split
 
-    parts = [load_split(data_dir, split) for split in schema.SPLITS]
+    columns = (schema.USER_ID, schema.ITEM_ID, schema.TIMESTAMP)
+    parts = [load_split(data_dir, split, columns=columns) for split in schema.SPLITS]
     user = _decoded([u for p in parts for u in p[schema.USER_ID]])
     item = _decoded([i for p in parts for i in p[schema.ITEM_ID]])
     stamp = np.array([t for p in parts for t in p[schema.TIMESTAMP]], dtype=np.int64)

@@ -34,9 +34,11 @@ from recsys.model import (
 from recsys.training.dataset import (
     in_memory_bytes,
     in_memory_dataset,
+    iter_split,
     load_split,
     training_dataset,
 )
+from recsys.training.lazy_adam import LazyAdam
 
 log = logging.getLogger(__name__)
 
@@ -281,6 +283,8 @@ def make_optimizer(config: TrainingConfig, precision: str) -> tf.keras.optimizer
     """The configured optimizer; wrapped in dynamic loss scaling for float16."""
     if config.optimizer == "adagrad":
         optimizer = tf.keras.optimizers.Adagrad(config.learning_rate)
+    elif config.optimizer == "lazy_adam":
+        optimizer = LazyAdam(config.learning_rate)
     else:
         optimizer = tf.keras.optimizers.Adam(config.learning_rate)
     if precision == "mixed_float16":
@@ -427,7 +431,8 @@ def validation_callback(
     validation = load_split(data_dir, "validation")
     if not len(validation[schema.USER_ID]):
         return None
-    eval_set = ev.build_eval_set(trained.items, validation, [load_split(data_dir, "train")])
+    ids = (schema.USER_ID, schema.ITEM_ID)
+    eval_set = ev.build_eval_set(trained.items, validation, iter_split(data_dir, "train", ids))
     histories = list(validation[schema.HISTORY]) if schema.HISTORY in validation else None
     tc = config.training
     return ValidationRecall(
