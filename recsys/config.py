@@ -248,6 +248,9 @@ class TrainingConfig(_Strict):
 
     batch_size: int = Field(1024, ge=1)
     epochs: int = Field(10, ge=1)
+    # A step budget: at most this many batches per epoch (and per validation pass); 0: the
+    # whole split. For logs too large to pass over nightly (benchmarks/scale.py).
+    max_steps_per_epoch: int = Field(0, ge=0)
     # lazy_adam: Adam whose embedding-table steps touch only the batch's rows (per-step cost
     # independent of the vocabulary; recsys/training/lazy_adam.py); adam: tf_keras Adam,
     # which updates every row of every table each step.

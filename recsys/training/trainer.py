@@ -431,6 +431,11 @@ def validation_callback(
     validation = load_split(data_dir, "validation")
     if not len(validation[schema.USER_ID]):
         return None
+    # The same user sample as the test evaluation: exact ranking of every validation user
+    # over the catalog each epoch is the cost that sampling bounds.
+    validation = ev.sample_rows(
+        validation, config.evaluation.sample_users, config.evaluation.sample_seed
+    )
     ids = (schema.USER_ID, schema.ITEM_ID)
     eval_set = ev.build_eval_set(trained.items, validation, iter_split(data_dir, "train", ids))
     histories = list(validation[schema.HISTORY]) if schema.HISTORY in validation else None
@@ -500,10 +505,17 @@ def train(
         )
     callbacks.append(EpochLogger(tc.epochs))  # last: it logs what the others added
     callbacks += extra
+    cap = tc.max_steps_per_epoch or None
     start = time.perf_counter()
     try:
         history = model.fit(
-            train_ds, epochs=tc.epochs, validation_data=val_ds, callbacks=callbacks, verbose=0
+            train_ds,
+            epochs=tc.epochs,
+            steps_per_epoch=_capped(cap, train_ds),
+            validation_data=val_ds,
+            validation_steps=None if val_ds is None else _capped(cap, val_ds),
+            callbacks=callbacks,
+            verbose=0,
         )
     except tf.errors.ResourceExhaustedError as exc:
         raise OutOfMemoryError(
@@ -516,7 +528,7 @@ def train(
     return TrainResult(
         model=trained,
         history={k: [float(v) for v in vs] for k, vs in history.history.items()},
-        examples=int(stats["splits"]["train"]) * epochs_run,
+        examples=_examples_per_epoch(stats["splits"]["train"], tc) * epochs_run,
         seconds=seconds,
         strategy=_strategy_name(strategy),
         replicas=replicas,
@@ -530,6 +542,19 @@ def train(
         jit_compile=jit,
         cached=cached,
     )
+
+
+def _capped(cap: int | None, ds: tf.data.Dataset) -> int | None:
+    """Steps per pass under the step budget (None: the whole dataset)."""
+    steps = int(ds.cardinality())
+    return cap if cap is not None and 0 < cap < steps else None
+
+
+def _examples_per_epoch(train_rows: int, tc: TrainingConfig) -> int:
+    """Training examples one epoch sees: the split, or the step budget's batches."""
+    if tc.max_steps_per_epoch:
+        return min(int(train_rows), tc.max_steps_per_epoch * tc.batch_size)
+    return int(train_rows)
 
 
 def use_cache(
