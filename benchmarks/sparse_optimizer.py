@@ -29,6 +29,7 @@ import gc
 import json
 import os
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -60,14 +61,22 @@ REPO = Path(__file__).resolve().parent.parent
 SIZES = (20_000, 200_000, 2_000_000)
 OPTIMIZERS = ("adam", "lazy_adam", "adagrad")
 METRICS = ("recall_at_10", "ndcg_at_10")
+HEAD = 4_000  # distinct ranks ids are drawn from: at most the smallest table's item rows
 
 
 def _batches(users: int, items: int, batch: int, history: int, seed: int) -> tf.data.Dataset:
-    """Endless random batches with Zipf(1.1)-distributed ids (heavy heads, long tails)."""
+    """Endless random batches that touch the same number of rows at every table size.
+
+    Ids are Zipf(1.1) ranks folded into the first HEAD ranks (heavy head, long tail), then
+    scattered over the whole table by a fixed random permutation: only the table's size
+    changes between sizes, not how many rows a step touches or how they repeat.
+    """
     rng = np.random.default_rng(seed)
+    rows = {n: rng.permutation(n)[:HEAD] for n in (users, items)}  # one scatter per table
 
     def zipf(n: int, shape: tuple[int, ...]) -> np.ndarray:
-        return (rng.zipf(1.1, size=shape) - 1) % n + 1  # index 0 is the OOV bucket
+        ranks = (rng.zipf(1.1, size=shape) - 1) % HEAD
+        return rows[n][ranks] + 1  # index 0 is the OOV bucket
 
     pool = 64  # distinct batches, cycled: input cost stays out of the step time
     data = {
@@ -123,12 +132,17 @@ class _StepTimer(tf.keras.callbacks.Callback):
 
 
 def run_steps(rounds: int, steps: int, warmup: int) -> dict[str, Any]:
-    """Every (size, optimizer) once per round; per pair the median over rounds."""
+    """Every (size, optimizer) once per round, each in a fresh process (no memory carried
+    over between runs); per pair the median over rounds."""
     runs = []
     for r in range(rounds):
         for rows in SIZES:
             for optimizer in OPTIMIZERS:
-                result = step_time(rows, optimizer, steps, warmup) | {"round": r}
+                cmd = [sys.executable, __file__, "--one", f"{rows},{optimizer}"]
+                cmd += ["--steps", str(steps), "--warmup", str(warmup), "--part", "steps"]
+                cmd += ["--out", "-"]
+                done = subprocess.run(cmd, check=True, capture_output=True, text=True)
+                result = json.loads(done.stdout.strip().splitlines()[-1]) | {"round": r}
                 print(json.dumps(result), flush=True)
                 runs.append(result)
     table = {}
@@ -215,7 +229,12 @@ def main() -> int:
     parser.add_argument("--warmup", type=int, default=10)
     parser.add_argument("--seeds", default="42,43")
     parser.add_argument("--work", default=None, help="workdir for the quality part")
+    parser.add_argument("--one", default=None, help="ROWS,OPTIMIZER: one step-time run")
     args = parser.parse_args()
+    if args.one:
+        rows, optimizer = args.one.split(",")
+        print(json.dumps(step_time(int(rows), optimizer, args.steps, args.warmup)))
+        return 0
     load = os.getloadavg()
     if args.part == "steps":
         result = run_steps(args.rounds, args.steps, args.warmup)
