@@ -342,6 +342,38 @@ def plot(results: list[dict[str, Any]], path: Path) -> None:
     fig.savefig(path, dpi=110)
 
 
+def markdown(results: list[dict[str, Any]]) -> str:
+    """Per size and stage: seconds, throughput, peak RSS, MiB written."""
+    lines = [
+        "| rows | stage | seconds | throughput | peak RSS MiB | written MiB |",
+        "|---:|---|---:|---|---:|---:|",
+    ]
+    for r in sorted(results, key=lambda r: r["generate"]["rows"]):
+        g = r["generate"]
+        lines.append(
+            f"| {g['rows']:,} | generate | {g['seconds']} | {g['rows_per_second']:,} rows/s | "
+            f"{g['peak_rss_mib']:,} | {g['bytes'] // 2**20:,} |"
+        )
+        for stage, e in r["stages"].items():
+            lines.append(
+                f"| | {stage} | {e['seconds']} | {_rate(stage, e)} | {e['peak_rss_mib']:,} | "
+                f"{e['written_mib']:,} |"
+            )
+    return "\n".join(lines)
+
+
+def _rate(stage: str, e: dict[str, Any]) -> str:
+    if stage == "preprocess":
+        return f"{e['rows_per_second']:,} rows/s ({e['beam_seconds']:.0f} s of Beam)"
+    if stage == "train":
+        return f"{e['examples_per_second']:,} examples/s ({e['examples']:,} examples)"
+    if stage == "evaluate":
+        return f"{e['users_per_second']:,} users/s ({e['test_users']:,} x {e['catalog']:,} items)"
+    if stage == "export":
+        return f"{e['embeddings_per_second']:,} embeddings/s ({e['users']:,} users)"
+    return ""
+
+
 def main() -> int:
     """Run the sizes, append to the JSON, redraw the plot."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -351,9 +383,13 @@ def main() -> int:
     parser.add_argument("--plot", default=str(REPO / "docs/scale.png"))
     parser.add_argument("--steps", type=int, default=300, help="training step budget")
     parser.add_argument("--eval-users", type=int, default=100_000, help="test user sample")
+    parser.add_argument("--table", action="store_true", help="print --out as Markdown, run nothing")
     args = parser.parse_args()
     out = Path(args.out)
     results = json.loads(out.read_text())["results"] if out.is_file() else []
+    if args.table:
+        print(markdown(results))
+        return 0
     for size in args.sizes.split(","):
         rows = parse_size(size)
         result = run_size(rows, args)
