@@ -170,7 +170,7 @@ def generate(rows: int, raw: Path) -> dict[str, Any]:
     raw.mkdir(parents=True, exist_ok=True)
     code = (
         "import json,sys,resource;from pathlib import Path;"
-        "from recsys.config import SyntheticConfig;from recsys import synthetic as s;"
+        "from recsys.core.config import SyntheticConfig;from recsys import synthetic as s;"
         "c=SyntheticConfig(**json.loads(sys.argv[1]));p=Path(sys.argv[2]);"
         "s.write_csv(c,p);s.write_items_csv(c,s.items_path(p));"
         "print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)"

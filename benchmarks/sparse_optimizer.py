@@ -42,10 +42,17 @@ import recsys  # noqa: F401  (sets TF_USE_LEGACY_KERAS before TensorFlow is impo
 import numpy as np
 import tensorflow as tf
 
+from conductor import stages
 from recsys import evaluation as ev
-from recsys import schema, stages
-from recsys.config import EvaluationConfig, ModelConfig, RecsysConfig, TrainingConfig, load_config
-from recsys.layout import Workdir
+from recsys.core import schema
+from recsys.core.config import (
+    EvaluationConfig,
+    ModelConfig,
+    RecsysConfig,
+    TrainingConfig,
+    load_config,
+)
+from recsys.core.layout import Workdir
 from recsys.model import (
     HISTORY_INDEX,
     ITEM_INDEX,
@@ -54,6 +61,7 @@ from recsys.model import (
     TrainedModel,
     TwoTowerModel,
 )
+from recsys.model_evaluation import evaluate_model
 from recsys.training import trainer
 from recsys.training.dataset import iter_split, load_split
 
@@ -178,7 +186,7 @@ def quality_run(base: RecsysConfig, data_dir: Path, optimizer: str, seed: int) -
     valid = ev.evaluate(scores, valid_set, eval_config).metrics
     with tempfile.TemporaryDirectory() as tmp:
         result.model.save(Path(tmp) / "model")
-        _, test = stages.evaluate_model(config, Path(tmp) / "model", data_dir)
+        _, test = evaluate_model(config, Path(tmp) / "model", data_dir)
     return {
         "optimizer": optimizer,
         "seed": seed,

@@ -36,7 +36,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.csv as pacsv
 
-from recsys.config import SyntheticConfig
+from recsys.core.config import SyntheticConfig
 
 HEADER = ("user_id", "item_id", "timestamp", "weight")
 ITEM_HEADER = ("item_id", "title", "genres")

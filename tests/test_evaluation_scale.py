@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 
 from recsys import evaluation as ev
-from recsys.config import EvaluationConfig
+from recsys.core.config import EvaluationConfig
 
 CFG = EvaluationConfig(ks=[10, 50], ndcg_k=10, mrr_k=50, coverage_k=10)
 

@@ -8,7 +8,7 @@ import pyarrow as pa
 import pyarrow.csv as pacsv
 
 from recsys import synthetic
-from recsys.config import SyntheticConfig
+from recsys.core.config import SyntheticConfig
 
 CONFIG = SyntheticConfig(
     shape="sessions", num_users=3000, num_items=600, mean_interactions_per_user=12

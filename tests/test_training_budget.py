@@ -8,9 +8,9 @@ from pathlib import Path
 
 import tensorflow as tf
 
-from recsys import stages
-from recsys.config import RecsysConfig
-from recsys.layout import Workdir
+from conductor import stages
+from recsys.core.config import RecsysConfig
+from recsys.core.layout import Workdir
 from recsys.training.trainer import train
 from tests.conftest import SMALL_DATE
 

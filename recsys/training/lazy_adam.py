@@ -21,8 +21,6 @@ from __future__ import annotations
 
 import tensorflow as tf
 
-import recsys  # noqa: F401  (sets TF_USE_LEGACY_KERAS before TensorFlow is imported)
-
 
 class LazyAdam(tf.keras.optimizers.Adam):
     """tf_keras Adam with row-wise (lazy) updates for IndexedSlices gradients."""
