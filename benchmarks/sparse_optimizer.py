@@ -139,6 +139,43 @@ class _StepTimer(tf.keras.callbacks.Callback):
         self.seconds.append(time.perf_counter() - self._start)
 
 
+def interleaved(optimizer: str, rounds: int, steps: int, warmup: int) -> dict[str, Any]:
+    """One process, one model per size, `steps` steps of each size in turn per round: the
+    sizes see the same machine load (on a shared machine, load swings between separate runs
+    exceed the effect measured). Median ms/step per size over all rounds."""
+    models = {}
+    for rows in SIZES:
+        users, items = int(rows * 0.8), int(rows * 0.2)
+        config = ModelConfig(item_features=False)
+        built = TrainedModel.build(
+            [f"u{i}" for i in range(users)], [f"i{i}" for i in range(items)], config
+        )
+        model = TwoTowerModel(built.query_tower, built.candidate_tower, config)
+        model.compile(
+            optimizer=trainer.make_optimizer(TrainingConfig(optimizer=optimizer), "float32")
+        )
+        data = iter(_batches(users, items, 1024, config.history_length, seed=0))
+        step = tf.function(model.train_step)
+        for _ in range(warmup):
+            step(next(data))
+        models[rows] = (step, data)
+    times: dict[int, list[float]] = {rows: [] for rows in SIZES}
+    for _ in range(rounds):
+        for rows, (step, data) in models.items():
+            for _ in range(steps):
+                batch = next(data)
+                start = time.perf_counter()
+                float(step(batch)["loss"])
+                times[rows].append(time.perf_counter() - start)
+    median = {rows: round(1000 * statistics.median(t), 2) for rows, t in times.items()}
+    return {
+        "optimizer": optimizer,
+        "median_ms": median,
+        "growth_2M_over_20K": round(median[SIZES[-1]] / median[SIZES[0]], 2),
+        "steps_per_size": rounds * steps,
+    }
+
+
 def run_steps(rounds: int, steps: int, warmup: int) -> dict[str, Any]:
     """Every (size, optimizer) once per round, each in a fresh process (no memory carried
     over between runs); per pair the median over rounds."""
@@ -238,7 +275,16 @@ def main() -> int:
     parser.add_argument("--seeds", default="42,43")
     parser.add_argument("--work", default=None, help="workdir for the quality part")
     parser.add_argument("--one", default=None, help="ROWS,OPTIMIZER: one step-time run")
+    parser.add_argument(
+        "--interleaved", default=None, help="OPTIMIZER: all sizes in one process, in turns"
+    )
     args = parser.parse_args()
+    if args.interleaved:
+        result = interleaved(args.interleaved, args.rounds, args.steps, args.warmup)
+        result["command"] = " ".join(sys.argv)
+        Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
+        print(json.dumps(result))
+        return 0
     if args.one:
         rows, optimizer = args.one.split(",")
         print(json.dumps(step_time(int(rows), optimizer, args.steps, args.warmup)))
