@@ -53,6 +53,7 @@ from recsys.core.config import (
     load_config,
 )
 from recsys.core.layout import Workdir
+from recsys.data_io import iter_split, load_split
 from recsys.model import (
     HISTORY_INDEX,
     ITEM_INDEX,
@@ -63,7 +64,6 @@ from recsys.model import (
 )
 from recsys.model_evaluation import evaluate_model
 from recsys.training import trainer
-from recsys.training.dataset import iter_split, load_split
 
 REPO = Path(__file__).resolve().parent.parent
 SIZES = (20_000, 200_000, 2_000_000)

@@ -13,8 +13,8 @@ from pathlib import Path
 from recsys import evaluation as ev
 from recsys.core import schema
 from recsys.core.config import RecsysConfig
+from recsys.data_io import iter_split, load_split
 from recsys.model import TrainedModel
-from recsys.training.dataset import iter_split, load_split
 
 
 def evaluate_model(
