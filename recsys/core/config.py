@@ -151,6 +151,13 @@ class SyntheticConfig(_Strict):
     days: int = Field(14, ge=1, le=36_500)
     seed: int = Field(7, ge=0, le=MAX_SEED)
     item_features: bool = True
+    # taste: the original per-user model (every user scores the whole catalog: small logs
+    # only; the default data). sessions: vectorised, for logs of millions of rows: sessions
+    # on one topic each, whose items follow one another in a fixed order (recsys/synthetic.py).
+    shape: Literal["taste", "sessions"] = "taste"
+    topics: int = Field(32, ge=1)
+    mean_session_length: float = Field(5.0, ge=1)
+    sequential_probability: float = Field(0.6, ge=0, le=1)
 
     @field_validator("start_date")
     @classmethod
@@ -292,7 +299,13 @@ class TrainingConfig(_Strict):
 
     batch_size: int = Field(1024, ge=1, le=MAX_BATCH)
     epochs: int = Field(10, ge=1, le=MAX_COUNT)
-    optimizer: Literal["adagrad", "adam"] = "adam"
+    # A step budget: at most this many batches per epoch (and per validation pass); 0: the
+    # whole split. For logs too large to pass over nightly (benchmarks/scale.py).
+    max_steps_per_epoch: int = Field(0, ge=0, le=MAX_ROWS)
+    # lazy_adam: Adam whose embedding-table steps touch only the batch's rows (per-step cost
+    # independent of the vocabulary; recsys/training/lazy_adam.py); adam: tf_keras Adam,
+    # which updates every row of every table each step.
+    optimizer: Literal["adagrad", "adam", "lazy_adam"] = "lazy_adam"
     learning_rate: float = Field(0.01, gt=0, le=100)
     shuffle_buffer: int = Field(100_000, ge=1, le=MAX_ROWS)
     # Keep the parsed, id-looked-up split in memory after one read and reshuffle it whole every
@@ -340,6 +353,11 @@ class EvaluationConfig(_Strict):
     mrr_k: int = Field(100, ge=1, le=MAX_K)
     coverage_k: int = Field(10, ge=0, le=MAX_K)  # 0: no coverage metric
     user_batch_size: int = Field(512, ge=1, le=MAX_BATCH)
+    # Evaluate a uniform sample of this many test users (0: all of them; exact ranking either
+    # way). For catalogs x users too large to rank nightly; metrics.json then reports each
+    # metric's 95% interval for the whole test population (recsys/evaluation.py).
+    sample_users: int = Field(0, ge=0, le=MAX_ROWS)
+    sample_seed: int = Field(0, ge=0, le=MAX_SEED)
 
     @field_validator("ks")
     @classmethod
