@@ -21,7 +21,7 @@ from recsys.nightly import STAGES
 from recsys.redact import install_log_redaction, redact_text
 
 # Commands that write into the working directory: they take its lock (recsys.lock).
-_WRITERS = {"preprocess", "train", "evaluate", "export", "sync"}
+_WRITERS = {"preprocess", "train", "evaluate", "export", "sync", "tune"}
 
 log = logging.getLogger("recsys")
 
@@ -63,6 +63,18 @@ def _parser() -> argparse.ArgumentParser:
         "--rerun-from",
         choices=STAGES,
         help="redo this stage and the ones after it even if they finished (default: resume)",
+    )
+    tun = sub.add_parser(
+        "tune",
+        parents=[common],
+        help="search model/training settings on the validation split (Optuna, MLflow)",
+    )
+    tun.add_argument("--trials", type=int, help="number of trials (default: tune.trials)")
+    tun.add_argument(
+        "--timeout", type=float, help="seconds after which no new trial starts (default: none)"
+    )
+    tun.add_argument(
+        "--output", help="winning config YAML (default: <workdir>/tune/<date>/best.yaml)"
     )
     back = sub.add_parser(
         "backfill",
@@ -194,6 +206,8 @@ def _run_stage(args: argparse.Namespace, config: Any, workdir: Any, date: Any) -
             rerun_from=args.rerun_from,
         )
         _print_nightly(result)
+    elif args.command == "tune":
+        _tune(args, config, workdir, date)
     elif args.command == "backfill":
         from recsys.nightly import backfill
 
@@ -226,6 +240,41 @@ def _run_stage(args: argparse.Namespace, config: Any, workdir: Any, date: Any) -
         print(f"recorded {args.metric}={args.value} for variant {args.variant} (run {run_id})")
     # Both gate outcomes (promote, keep) are successful runs: exit code 0.
     return 0
+
+
+def _tune(args: argparse.Namespace, config: Any, workdir: Any, date: Any) -> None:
+    import yaml
+
+    from recsys import stages, tuning
+    from recsys.config import REPO_CONFIGS
+    from recsys.errors import ConfigError
+    from recsys.layout import SUCCESS
+
+    if args.trials is not None and args.trials < 1:
+        raise ConfigError(f"--trials must be at least 1, got {args.trials}")
+    if args.timeout is not None and not args.timeout > 0:
+        raise ConfigError(f"--timeout must be a positive number of seconds, got {args.timeout}")
+    source = Path(args.config) if args.config else REPO_CONFIGS / "default.yaml"
+    base = yaml.safe_load(source.read_text()) if source.is_file() else {}
+    if args.input:
+        config = config.with_input(args.input)
+        base["data"] = config.data.model_dump(mode="json", exclude_defaults=True)
+    folder = workdir.root / "tune" / date.isoformat()
+    prepared = tuning.preprocess_config(config)
+    data_dir = folder / f"data-{prepared.digest()}"
+    if not (data_dir / SUCCESS).is_file():
+        stages.preprocess(prepared, workdir, date, None, data_dir)
+    output = Path(args.output) if args.output else folder / "best.yaml"
+    result = tuning.tune(
+        config, data_dir, output, workdir=workdir.root, trials=args.trials,
+        timeout_seconds=args.timeout, base_yaml=base, run_date=date,
+    )  # fmt: skip
+    print(f"trials:      {result.states} in {result.seconds:.0f} s")
+    print(f"best:        trial {result.best_trial}, validation {result.best_value:.4f}")
+    for key, value in result.best_params.items():
+        print(f"  {key} = {value}")
+    print(f"mlflow:      experiment {result.experiment}, parent run {result.parent_run_id}")
+    print(f"config:      {result.output}")
 
 
 def _embeddings(args: argparse.Namespace, workdir: Any) -> None:
