@@ -280,6 +280,7 @@ class Ours:
 
     def __init__(self, b: Bench, root: Path) -> None:
         self.b, self.root = b, root
+        root.mkdir(parents=True, exist_ok=True)
         self.log_csv = root / "log.csv"
         self.date = write_log_without_test(b, self.log_csv)
         self.workdir = Workdir(root / "work")

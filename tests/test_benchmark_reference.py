@@ -12,9 +12,7 @@ from benchmarks import protocol, sasrec
 
 def _log(rows: list[tuple[str, str, int]]) -> protocol.Log:
     users, items, stamps = zip(*rows, strict=True)
-    return protocol.Log(
-        np.array(users), np.array(items), np.array(stamps, np.int64), True, "test"
-    )
+    return protocol.Log(np.array(users), np.array(items), np.array(stamps, np.int64), True, "test")
 
 
 def test_ties_break_by_numeric_item_id_not_string() -> None:
@@ -89,3 +87,43 @@ def test_sasrec_learns_a_deterministic_sequence_pattern() -> None:
     assert accuracy > 0.9, (accuracy, info["curve"])
     # Popularity cannot do this: every item is equally frequent (chance = 1/30).
     assert info["validation_ndcg_at_10"] > 0.9
+
+
+def test_ours_is_scored_from_the_exported_parquet_files(tmp_path: Path) -> None:
+    """The outside scorer: test rows never reach the pipeline; vectors come from the files."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from benchmarks import quality
+    from serving_export.embeddings import embeddings_schema
+
+    path = tmp_path / "ratings.csv"
+    rows = [("1", str(i), t) for t, i in enumerate([10, 11, 12, 13, 14], 1)]
+    rows += [("2", str(i), t) for t, i in enumerate([12, 11, 10, 14, 15], 1)]
+    path.write_text("userId,movieId,timestamp\n" + "".join(f"{u},{i},{t}\n" for u, i, t in rows))
+    bench = quality.Bench(str(path))
+    ours = quality.Ours(bench, tmp_path / "ours")
+    written = (tmp_path / "ours" / "log.csv").read_text().splitlines()
+    assert len(written) == 1 + 8  # both test rows (user 1: item 14, user 2: item 15) left out
+    assert "1,14,5" not in written and "2,15,5" not in written
+
+    def write(name: str, column: str, ids: list[str], vectors: list[list[float]]) -> Path:
+        schema = embeddings_schema(column, 2, 1)
+        flat = pa.array([x for v in vectors for x in v], pa.float32())
+        table = pa.Table.from_arrays(
+            [pa.array(ids), pa.FixedSizeListArray.from_arrays(flat, 2), pa.array([1] * len(ids))],
+            schema=schema,
+        )
+        pq.write_table(table, tmp_path / name)
+        return tmp_path / name
+
+    # The export lacks item 14 (say it was only in a row the pipeline held out) and user 2.
+    items = write("items.parquet", "item_id", ["13", "10", "12", "11"],
+                  [[0, 1], [1, 0], [0.5, 0.5], [-1, 0]])  # fmt: skip
+    users = write("users.parquet", "user_id", ["1"], [[1.0, 0.0]])
+    scores, missing = ours.parquet_scores({"items": items, "users": users})
+    assert missing == {"users": 1, "items": 1}
+    assert bench.split.catalog == ["10", "11", "12", "13", "14"]
+    got = scores(np.arange(2))
+    np.testing.assert_allclose(got[0], [1.0, -1.0, 0.5, 0.0, -np.inf])  # catalog order
+    np.testing.assert_allclose(got[1, :4], 0.0)
