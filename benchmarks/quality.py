@@ -314,6 +314,37 @@ class Ours:
             "test": _metrics(scores, self.b.test_set),
         }
 
+    def tune(self, base: Path, trials: int, keep: Path) -> tuple[Path, dict[str, Any]]:
+        """`recsys tune`'s library call on this log (its validation split; test rows absent).
+
+        Returns the tuned config to train with and a summary; `keep` gets the winner as a
+        config with `base`'s own data section (the tuned settings, reusable elsewhere).
+        """
+        from recsys import tuning
+
+        raw = pipeline_config(self.b, base, self.log_csv, seed=0)
+        config = parse_config(raw, str(base))
+        prepared = tuning.preprocess_config(config)
+        data_dir, _ = stages.preprocess(
+            prepared, self.workdir, self.date, output=self.root / "tune-data"
+        )
+        tuned = self.root / "tuned.yaml"
+        result = tuning.tune(
+            config, data_dir, tuned, workdir=self.workdir.root, trials=trials, base_yaml=raw
+        )
+        original = yaml.safe_load(base.read_text()) or {}
+        tuning.write_config(
+            parse_config(original, str(base)), result.best_params, keep, original,
+            f"recsys tune on {self.b.name} without its test rows ({trials} trials, validation "
+            f"{config.tune.metric} {result.best_value:.4f}); data section of {base.name}",
+        )  # fmt: skip
+        summary = {
+            "trials": trials, "states": result.states, "best_params": result.best_params,
+            f"validation_{config.tune.metric}": round(result.best_value, 4),
+            "seconds": round(result.seconds), "config": str(keep.relative_to(REPO)),
+        }  # fmt: skip
+        return tuned, summary
+
     def parquet_scores(self, files: dict[str, Path]) -> tuple[ev.ScoreFn, dict[str, int]]:
         """Test users' vectors from users.parquet against items.parquet, in catalog order.
 
@@ -383,6 +414,7 @@ def run_dataset(name: str, args: Any) -> dict[str, Any]:
     runs = results.setdefault("runs", {})
     with tempfile.TemporaryDirectory(prefix="quality-") as tmp:
         ours: Ours | None = None
+        tuned: Path | None = None
         for model in args.models:
             for seed in args.seeds:
                 key = f"{model}/seed{seed}"
@@ -390,7 +422,7 @@ def run_dataset(name: str, args: Any) -> dict[str, Any]:
                     continue
                 if model in ("popularity", "ease") and seed != args.seeds[0]:
                     continue  # deterministic: one fit is every seed's result
-                if model == "ours_tuned" and not args.tuned:
+                if model == "ours_tuned" and not (args.tuned or args.tune_trials):
                     continue
                 log.info("%s: %s", name, key)
                 start = time.perf_counter()
@@ -398,6 +430,14 @@ def run_dataset(name: str, args: Any) -> dict[str, Any]:
                     if model in ("ours", "ours_tuned"):
                         ours = ours or Ours(b, Path(tmp))
                         base = Path(args.tuned if model == "ours_tuned" else args.config)
+                        if model == "ours_tuned" and not args.tuned:
+                            if tuned is None:
+                                keep = RESULTS / f"tuned_{out_path(name, None).stem[8:]}.yaml"
+                                tuned, results["tune"] = ours.tune(
+                                    Path(args.config), args.tune_trials, keep
+                                )
+                                _save(args, results)
+                            base = tuned
                         out = ours.run(base, seed)
                     elif model == "sasrec":
                         out = run_sasrec(b, seed, results, args)
@@ -457,6 +497,10 @@ def main() -> int:
     parser.add_argument(
         "--tuned", help="a tuned config for ours_tuned (its data section is replaced)"
     )
+    parser.add_argument(
+        "--tune-trials", type=int, default=0,
+        help="ours_tuned without --tuned: run recsys tune's search (N trials) on the log first",
+    )  # fmt: skip
     parser.add_argument("--sasrec-trials", type=int, default=6, help="SASRec settings tried (<= 6)")
     parser.add_argument("--sasrec-max-epochs", type=int, default=200)
     parser.add_argument("--out", help="results JSON (one dataset only)")
