@@ -429,8 +429,10 @@ def run_dataset(name: str, args: Any) -> dict[str, Any]:
                 try:
                     if model in ("ours", "ours_tuned"):
                         ours = ours or Ours(b, Path(tmp))
-                        base = Path(args.tuned if model == "ours_tuned" else args.config)
-                        if model == "ours_tuned" and not args.tuned:
+                        base = Path(args.config)
+                        if model == "ours_tuned" and args.tuned:
+                            base = Path(args.tuned)
+                        elif model == "ours_tuned":
                             if tuned is None:
                                 keep = RESULTS / f"tuned_{out_path(name, None).stem[8:]}.yaml"
                                 tuned, results["tune"] = ours.tune(
@@ -452,6 +454,7 @@ def run_dataset(name: str, args: Any) -> dict[str, Any]:
                 out["wall_seconds"] = round(time.perf_counter() - start, 1)
                 out["load_average_1min"] = round(os.getloadavg()[0], 1)
                 runs[key] = out
+                results.get("errors", {}).pop(key, None)
                 log.info("%s %s test %s", name, key, out["test"])
                 _save(args, results)
     results["finished"] = dt.datetime.now(dt.UTC).isoformat(timespec="seconds")
