@@ -460,6 +460,38 @@ def run_dataset(name: str, args: Any) -> dict[str, Any]:
     return results
 
 
+def merge(paths: list[Path]) -> dict[str, Any]:
+    """One dataset's results from several processes' JSON files (first file's header).
+
+    SASRec's seed-0 result is re-chosen among all candidates by validation NDCG@10, and
+    other seeds' SASRec runs are kept only when they used the chosen settings.
+    """
+    parts = [json.loads(p.read_text()) for p in paths]
+    merged = {k: v for k, v in parts[0].items() if k not in ("runs", "errors")}
+    merged["runs"], merged["errors"], merged["merged_from"] = {}, {}, [str(p) for p in paths]
+    merged["commands"] = sorted({p["command"] for p in parts if "command" in p})
+    tuning: dict[str, Any] = {}
+    for part in parts:
+        for key, run in part.get("runs", {}).items():
+            merged["runs"].setdefault(key, run)
+        merged["errors"].update(part.get("errors", {}))
+        tuning.update(part.get("sasrec_tuning", {}))
+        if "tune" in part:
+            merged["tune"] = part["tune"]
+    merged["errors"] = {k: v for k, v in merged["errors"].items() if k not in merged["runs"]}
+    if tuning:
+        merged["sasrec_tuning"] = tuning
+        best = max(tuning, key=lambda k: tuning[k]["validation_ndcg_at_10"])
+        runs = merged["runs"]
+        for key in [k for k in runs if k.startswith("sasrec/") and runs[k]["label"] != best]:
+            del runs[key]
+        runs["sasrec/seed0"] = {
+            **tuning[best], "label": best,
+            "validation": {"ndcg_at_10": tuning[best]["validation_ndcg_at_10"]},
+        }  # fmt: skip
+    return merged
+
+
 def table(results: dict[str, Any]) -> str:
     """Markdown: mean (and spread over seeds) of every reported metric per model."""
     names = {
@@ -511,10 +543,19 @@ def main() -> int:
     parser.add_argument("--out", help="results JSON (one dataset only)")
     parser.add_argument("--resume", action="store_true", help="keep results already in the JSON")
     parser.add_argument("--table", action="store_true", help="print the tables of saved results")
+    parser.add_argument(
+        "--merge", nargs="+", help="merge these results files of one dataset into --out"
+    )
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     for noisy in ("apache_beam", "absl", "tensorflow", "recsys", "beam_jobs", "serving_export"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
+    if args.merge:
+        merged = merge([Path(p) for p in args.merge])
+        args.current_out = out_path(args.data[0], args.out)
+        _save(args, merged)
+        print(table(merged))
+        return 0
     for name in args.data:
         if args.table:
             results = json.loads(out_path(name, args.out).read_text())
