@@ -20,7 +20,7 @@ from apache_beam.typehints import no_annotations
 from beam_jobs import records as r
 from beam_jobs.inputs import InputFile
 from beam_jobs.vocab import ITEM_FEATURES_FILE, ITEMS_FILE, VOCAB_DIR
-from recsys.schema import SPLITS
+from recsys.core.schema import SPLITS
 
 STATS_FILE = "stats.json"
 INPUT_ROWS = "input_rows"

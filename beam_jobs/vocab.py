@@ -17,7 +17,7 @@ from apache_beam.typehints import no_annotations
 
 from beam_jobs import columnar as col
 from beam_jobs.split import COUNT, COUNTS_SCHEMA, ID, sum_counts
-from recsys.schema import GENRES, TITLE
+from recsys.core.schema import GENRES, TITLE
 
 VOCAB_DIR = "vocab"
 USERS_FILE = "users.txt"

@@ -39,23 +39,27 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 # Run as a script, the repository root (home of the benchmarks package) is not on the path.
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-import recsys  # noqa: F401  (sets TF_USE_LEGACY_KERAS before TensorFlow is imported)
+from recsys.core.tf_env import set_tf_env
+
+set_tf_env()  # before TensorFlow's first import, below: TFRS needs Keras 2
 
 # isort: split
 import numpy as np
 import yaml
 
 from benchmarks import protocol, sasrec
-from recsys import baselines, stages
+from conductor import stages
+from recsys import baselines, tuning
 from recsys import evaluation as ev
-from recsys.config import EvaluationConfig, parse_config
-from recsys.layout import Workdir
+from recsys.core.config import EvaluationConfig, parse_config
+from recsys.core.layout import Workdir
 from serving_export.embeddings import read_embeddings
 
 REPO = Path(__file__).resolve().parent.parent
@@ -194,7 +198,6 @@ def sasrec_start(b: Bench, max_epochs: int) -> sasrec.Settings:
 
 def sasrec_candidates(start: sasrec.Settings) -> list[sasrec.Settings]:
     """The start, then one setting changed at a time (a light coordinate search)."""
-    from dataclasses import replace
 
     other_dropout = 0.5 if start.dropout < 0.5 else 0.2
     other_length = 50 if start.max_length > 50 else 200
@@ -215,7 +218,6 @@ def run_sasrec(b: Bench, seed: int, results: dict[str, Any], args: Any) -> dict[
     NDCG@10 only) is seed 0's result without a refit, also when the candidates ran in
     separate processes (`--sasrec-candidates`, merged by `--merge`).
     """
-    from dataclasses import replace
 
     tuning = results.setdefault("sasrec_tuning", {})
     validation = (b.sequences(b.val_rows, False), b.val_set)
@@ -318,8 +320,6 @@ class Ours:
         Returns the tuned config to train with and a summary; `keep` gets the winner as a
         config with `base`'s own data section (the tuned settings, reusable elsewhere).
         """
-        from recsys import tuning
-
         raw = pipeline_config(self.b, base, self.log_csv, seed=0)
         config = parse_config(raw, str(base))
         prepared = tuning.preprocess_config(config)

@@ -19,14 +19,16 @@ import time
 from dataclasses import asdict, dataclass
 from typing import Any
 
-import recsys  # noqa: F401  (sets TF_USE_LEGACY_KERAS before TensorFlow is imported)
+from recsys.core.tf_env import set_tf_env
+
+set_tf_env()  # before TensorFlow's first import, below: TFRS needs Keras 2
 
 # isort: split
 import numpy as np
 import tensorflow as tf
 
 from recsys import evaluation as ev
-from recsys.config import EvaluationConfig
+from recsys.core.config import EvaluationConfig
 
 VALIDATION_METRIC = "ndcg_at_10"
 

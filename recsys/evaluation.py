@@ -26,8 +26,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 from threadpoolctl import threadpool_limits
 
-from recsys import schema
-from recsys.config import EvaluationConfig
+from recsys.core import schema
+from recsys.core.config import EvaluationConfig
 
 _MAX_THREADS = 4
 """Score batches evaluated at once, on as many threads (at most twice the CPU count)."""

@@ -22,12 +22,11 @@ import numpy as np
 import tensorflow as tf
 import tensorflow_recommenders as tfrs
 
-import recsys  # noqa: F401  (sets TF_USE_LEGACY_KERAS before TensorFlow is imported)
-from recsys.config import ModelConfig
-from recsys.errors import ConfigError, DataError, StageNotReadyError
+from recsys.core.config import ModelConfig
+from recsys.core.errors import ConfigError, DataError, StageNotReadyError
+from recsys.core.schema import GENRES, ITEM_FEATURES, USER_ID
 from recsys.item_tokens import MAX_GENRES, PAD, TOKENIZERS, token_matrix
 from recsys.losses import in_batch_softmax_loss
-from recsys.schema import GENRES, ITEM_FEATURES, USER_ID
 
 USER_INDEX = "user_index"
 ITEM_INDEX = "item_index"

@@ -33,10 +33,9 @@ from mlflow.entities import Metric, Param, RunStatus
 from mlflow.exceptions import MlflowException
 from mlflow.utils.mlflow_tags import MLFLOW_PARENT_RUN_ID, MLFLOW_RUN_NAME
 
-import recsys  # noqa: F401  (sets TF_USE_LEGACY_KERAS before TensorFlow is imported)
-from recsys import tracking
-from recsys.config import RecsysConfig, SearchDimension, parse_config
-from recsys.errors import DataError, OutOfMemoryError, StageFailedError, TrackingError
+from recsys.core.config import RecsysConfig, SearchDimension, parse_config
+from recsys.core.errors import DataError, OutOfMemoryError, StageFailedError, TrackingError
+from recsys.tracking import runs as tracking
 from recsys.training.trainer import train
 
 log = logging.getLogger(__name__)

@@ -15,8 +15,8 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from recsys import schema
-from recsys.training.dataset import latest_items
+from recsys.core import schema
+from recsys.training.dataset import latest_items, load_split
 
 # Parquet has no seconds unit (pyarrow would coerce to ms on write): ms from the start.
 TIMESTAMP_TYPE = pa.timestamp("ms", tz="UTC")
@@ -40,8 +40,6 @@ def read_activity(
     interactions, the count the model's logQ correction used) and `last_seen`. Ids absent
     from the data get 0 and a null time.
     """
-    from recsys.training.dataset import load_split
-
     parts = [load_split(data_dir, split) for split in schema.SPLITS]
     user = _decoded([u for p in parts for u in p[schema.USER_ID]])
     item = _decoded([i for p in parts for i in p[schema.ITEM_ID]])

@@ -16,7 +16,8 @@ from typing import Any
 
 import numpy as np
 
-from recsys.errors import EmbeddingsContractError
+from recsys.core.errors import EmbeddingsContractError
+from serving_export.manifest import file_sha256, read_manifest
 
 INDEX_FILE = "items.faiss"
 RECALL_QUERIES = 1000
@@ -97,8 +98,6 @@ def build_ann(
     """Build, measure and write `directory/items.faiss`; the manifest's `ann` entry."""
     import faiss
 
-    from serving_export.manifest import file_sha256
-
     start = time.perf_counter()
     index = build_index(items, nlist, nprobe)
     built = time.perf_counter() - start
@@ -127,8 +126,6 @@ def build_ann(
 def load_ann_index(directory: Path, verify_checksum: bool = True) -> Any:
     """The version's faiss index with its recorded nprobe, checked against the manifest."""
     import faiss
-
-    from serving_export.manifest import file_sha256, read_manifest
 
     manifest = read_manifest(directory)
     entry = manifest.get("ann")

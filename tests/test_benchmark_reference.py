@@ -8,6 +8,7 @@ import numpy as np
 import tensorflow as tf
 
 from benchmarks import protocol, sasrec
+from recsys import evaluation as ev
 
 
 def _log(rows: list[tuple[str, str, int]]) -> protocol.Log:
@@ -69,7 +70,6 @@ def test_sasrec_learns_a_deterministic_sequence_pattern() -> None:
     train = [walk(12) for _ in range(200)]
     held_out = [walk(8) for _ in range(50)]
     history = [s[:-1] for s in held_out]
-    from recsys import evaluation as ev
 
     data = ev.EvalSet(
         [str(i) for i in range(50)],

@@ -18,10 +18,10 @@ import pyarrow.parquet as pq
 import pytest
 import tensorflow as tf
 
-from recsys import stages
-from recsys.config import ModelConfig, RecsysConfig, parse_config
-from recsys.errors import ConfigError, OutOfMemoryError
-from recsys.layout import Workdir
+from conductor import stages
+from recsys.core.config import ModelConfig, RecsysConfig, parse_config
+from recsys.core.errors import ConfigError, OutOfMemoryError
+from recsys.core.layout import Workdir
 from recsys.model import (
     HISTORY_INDEX,
     PAD,
@@ -502,7 +502,7 @@ def test_killed_run_resumes_where_it_stopped(
         import json, logging, sys
         import recsys
         from pathlib import Path
-        from recsys.config import RecsysConfig
+        from recsys.core.config import RecsysConfig
         from recsys.training.trainer import train
         logging.basicConfig(level=logging.INFO, stream=sys.stdout, format="%(message)s")
         config = RecsysConfig.model_validate_json(Path(sys.argv[1]).read_text())

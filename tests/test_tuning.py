@@ -11,11 +11,11 @@ import tensorflow as tf
 import yaml
 from mlflow import MlflowClient
 
+from conductor.cli import main
 from recsys import tuning
-from recsys.cli import main
-from recsys.config import RecsysConfig, load_config, parse_config
-from recsys.errors import ConfigError
-from recsys.layout import Workdir
+from recsys.core.config import RecsysConfig, load_config, parse_config
+from recsys.core.errors import ConfigError
+from recsys.core.layout import Workdir
 from recsys.training.dataset import load_split
 from tests.conftest import SMALL, SMALL_DATE
 from tests.mlflow_server import MlflowServer

@@ -9,9 +9,8 @@ import numpy as np
 import pyarrow.parquet as pq
 import tensorflow as tf
 
-import recsys  # noqa: F401  (sets TF_USE_LEGACY_KERAS before TensorFlow is imported)
-from recsys import schema
-from recsys.errors import StageNotReadyError
+from recsys.core import schema
+from recsys.core.errors import StageNotReadyError
 from recsys.model import (
     HISTORY_INDEX,
     ITEM_INDEX,

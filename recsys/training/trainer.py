@@ -18,11 +18,10 @@ from pathlib import Path
 import numpy as np
 import tensorflow as tf
 
-import recsys  # noqa: F401  (sets TF_USE_LEGACY_KERAS before TensorFlow is imported)
 from recsys import evaluation as ev
-from recsys import schema
-from recsys.config import EvaluationConfig, RecsysConfig, TrainingConfig
-from recsys.errors import ConfigError, OutOfMemoryError
+from recsys.core import schema
+from recsys.core.config import EvaluationConfig, RecsysConfig, TrainingConfig
+from recsys.core.errors import ConfigError, OutOfMemoryError
 from recsys.model import (
     ItemFeatures,
     TrainedModel,

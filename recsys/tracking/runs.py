@@ -27,10 +27,10 @@ from mlflow.entities import DatasetInput, InputTag, Metric, Param, RunStatus, Vi
 from mlflow.exceptions import MlflowException
 from mlflow.tracking.context.registry import resolve_tags
 
-from recsys.config import RecsysConfig
-from recsys.errors import TrackingError
-from recsys.layout import Workdir
-from recsys.redact import redact_text, redact_tree, redact_value
+from recsys.core.config import RecsysConfig
+from recsys.core.errors import TrackingError
+from recsys.core.layout import Workdir
+from recsys.core.redact import redact_text, redact_tree, redact_value
 
 # MLflow's defaults (7 retries, backoff factor 2, 120 s timeout) keep a nightly job waiting for
 # minutes on a dead server. These bound one request to ~10 s of retries when the connection is
@@ -51,7 +51,7 @@ _VALID_METRIC = re.compile(r"^[\w./\- ]+$")
 
 
 def redact_credentials(text: str) -> str:
-    """`text` without URI user:password parts and other secrets (see recsys.redact)."""
+    """`text` without URI user:password parts and other secrets (see recsys.core.redact)."""
     return redact_text(text)
 
 
@@ -175,7 +175,7 @@ def find_nightly_run(
 
 def git_commit() -> str:
     """The commit of the recsys source tree ('unknown' outside a git checkout)."""
-    repo = Path(__file__).resolve().parent.parent
+    repo = Path(__file__).resolve().parents[2]
     try:
         out = subprocess.run(
             ["git", "-C", str(repo), "rev-parse", "HEAD"],

@@ -26,11 +26,12 @@ from mlflow import MlflowClient
 from mlflow.entities import RunStatus
 from mlflow.exceptions import MlflowException
 
-from recsys import registry
-from recsys.config import RecsysConfig
-from recsys.errors import ConfigError
-from recsys.gate import pair_users, paired_bootstrap
-from recsys.tracking import (
+from recsys.core import schema
+from recsys.core.config import RecsysConfig
+from recsys.core.errors import ConfigError
+from recsys.tracking import registry
+from recsys.tracking.gate import pair_users, paired_bootstrap
+from recsys.tracking.runs import (
     _TRACKING_FAILURES,
     LOGGED_TAG,
     _tracking_error,
@@ -40,6 +41,7 @@ from recsys.tracking import (
     experiment_name,
     resolve_tracking_uri,
 )
+from recsys.training.dataset import load_split
 
 COMPARISONS_EXPERIMENT = "comparisons"
 MAX_K = 100
@@ -289,9 +291,6 @@ def _segments(
 
 def user_segments(data_dir: Path) -> dict[str, tuple[str, str]]:
     """Per test user: ('new users' | 'returning users', 'head items' | 'tail items')."""
-    from recsys import schema
-    from recsys.training.dataset import load_split
-
     history: dict[str, int] = {}
     for split in ("train", "validation"):
         for user in load_split(data_dir, split)[schema.USER_ID]:

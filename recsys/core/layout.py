@@ -28,11 +28,13 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
-from recsys.errors import ConfigError, StageNotReadyError
+from recsys.core.errors import ConfigError, StageNotReadyError
 
 log = logging.getLogger(__name__)
 
 SUCCESS = "_SUCCESS"
+# The nightly's stages in order; each one done marks its folder `_SUCCESS.<stage>`.
+STAGES = ("preprocess", "train", "evaluate", "export", "publish")
 # Prefixes of the temporary siblings that atomic writers create; never visible as outputs.
 TEMP_PREFIXES = (".tmp-", ".old-", ".staging-")
 _RUN_ID = re.compile(r"^[0-9]{8}T[0-9]{6}Z-[0-9a-f]{8}-[0-9a-f]{4}$")

@@ -21,7 +21,7 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any
 
-from recsys.errors import WorkdirLockedError
+from recsys.core.errors import WorkdirLockedError
 
 log = logging.getLogger(__name__)
 

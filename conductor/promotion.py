@@ -20,12 +20,13 @@ import numpy as np
 import pyarrow.parquet as pq
 from mlflow import MlflowClient
 
-from recsys import gate, registry
-from recsys.config import RecsysConfig
-from recsys.errors import StageNotReadyError, TrackingError
-from recsys.layout import Workdir
-from recsys.redact import redact_text, redact_tree
-from recsys.tracking import (
+from recsys.core.config import RecsysConfig
+from recsys.core.errors import StageNotReadyError, TrackingError
+from recsys.core.layout import Workdir
+from recsys.core.redact import redact_text, redact_tree
+from recsys.model_evaluation import evaluate_model
+from recsys.tracking import gate, registry
+from recsys.tracking.runs import (
     _TRACKING_FAILURES,
     DEFAULT_DEVICE,
     Artifact,
@@ -35,6 +36,7 @@ from recsys.tracking import (
     log_nightly_run,
     resolve_tracking_uri,
 )
+from serving_export.serving_config import set_version_labels
 
 log = logging.getLogger(__name__)
 
@@ -209,8 +211,6 @@ def _route_serving(client: MlflowClient, config: RecsysConfig, workdir: Workdir,
     A registry version maps to its export folder through its run's `model_version` tag; TF
     Serving then routes by label, so a promotion is this one atomic file rewrite.
     """
-    from serving_export.serving_config import set_version_labels
-
     labels = {}
     for alias in (registry.CHAMPION, registry.CHALLENGER):
         version = registry.alias_version(client, name, alias)
@@ -240,7 +240,7 @@ def _gate_against(
             )
             return gate.not_compared_decision(reason, force=force)
         try:
-            users, per_user, summary = evaluate_model(config, model_dir, data_dir)
+            users, per_user, summary = evaluate_champion(config, model_dir, data_dir)
         except Exception as exc:
             # Whatever breaks loading or scoring the old model (moved files, a model format
             # changed by a newer release), the safe outcome is the same: keep the champion and
@@ -268,13 +268,11 @@ def _gate_against(
     return decision
 
 
-def evaluate_model(
+def evaluate_champion(
     config: RecsysConfig, model_dir: Path, data_dir: Path
 ) -> tuple[list[str], dict[str, np.ndarray], dict[str, float]]:
     """A saved model on data_dir's test split, exactly as `recsys evaluate` scores a run."""
-    from recsys.stages import evaluate_model as score
-
-    eval_set, result = score(config, model_dir, data_dir)
+    eval_set, result = evaluate_model(config, model_dir, data_dir)
     return eval_set.users, result.per_user, result.metrics
 
 

@@ -1,0 +1,139 @@
+"""The `recsys` command line: one subcommand per stage, plus `nightly` for all of them."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from collections.abc import Sequence
+
+from recsys.core.config import load_config
+from recsys.core.errors import RecsysError
+from recsys.core.layout import STAGES, parse_date
+from recsys.core.redact import install_log_redaction, redact_text
+
+log = logging.getLogger("recsys")
+
+
+def _parser() -> argparse.ArgumentParser:
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("--config", help="YAML config (default: configs/default.yaml)")
+    common.add_argument("--workdir", default="recsys-work", help="working directory")
+    common.add_argument(
+        "--date", help="run date YYYY-MM-DD: data up to and including it (default: yesterday, UTC)"
+    )
+    common.add_argument("--input", help="raw input path (overrides the config's data source)")
+    common.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    run_id = argparse.ArgumentParser(add_help=False)
+    run_id.add_argument("--run-id", help="training run to use (default: the date's latest)")
+
+    parser = argparse.ArgumentParser(prog="recsys", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    pre = sub.add_parser("preprocess", parents=[common], help="raw log -> TFRecords (Beam)")
+    pre.add_argument("--output", help="output folder (default: <workdir>/data/<date>)")
+    sub.add_parser("train", parents=[common], help="train the two-tower model")
+    sub.add_parser("evaluate", parents=[common, run_id], help="exact evaluation of a run")
+    exp = sub.add_parser("export", parents=[common, run_id], help="SavedModels + embeddings")
+    exp.add_argument(
+        "--verify",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="reload the exports in a fresh process and compare (default: config)",
+    )
+    night = sub.add_parser(
+        "nightly", parents=[common], help="all stages for one date, tracked in MLflow"
+    )
+    night.add_argument(
+        "--force-promote",
+        action="store_true",
+        help="make this run champion even if the gate says keep (recorded as forced)",
+    )
+    night.add_argument(
+        "--rerun-from",
+        choices=STAGES,
+        help="redo this stage and the ones after it even if they finished (default: resume)",
+    )
+    tun = sub.add_parser(
+        "tune",
+        parents=[common],
+        help="search model/training settings on the validation split (Optuna, MLflow)",
+    )
+    tun.add_argument("--trials", type=int, help="number of trials (default: tune.trials)")
+    tun.add_argument(
+        "--timeout", type=float, help="seconds after which no new trial starts (default: none)"
+    )
+    tun.add_argument(
+        "--output", help="winning config YAML (default: <workdir>/tune/<date>/best.yaml)"
+    )
+    back = sub.add_parser(
+        "backfill",
+        parents=[common],
+        help="nightly for each date from --start to --end, stopping at the first failure",
+    )
+    back.add_argument("--start", required=True, help="first date YYYY-MM-DD")
+    back.add_argument("--end", required=True, help="last date YYYY-MM-DD (inclusive)")
+    syn = sub.add_parser(
+        "sync", parents=[common], help="log the date's runs left pending while MLflow was down"
+    )
+    syn.add_argument("--tracking-uri", help="tracking server to log to (default: the run's)")
+    cmp = sub.add_parser(
+        "compare", parents=[common], help="offline A/B: runs side by side with bootstrap CIs"
+    )
+    cmp.add_argument(
+        "refs", nargs="+", metavar="RUN", help="run id, champion, challenger, vN or YYYY-MM-DD"
+    )
+    cmp.add_argument("--output", help="report folder (default: <workdir>/comparisons/<time>)")
+    cmp.add_argument("--no-log", action="store_true", help="do not log the report to MLflow")
+    ab = sub.add_parser("ab", help="online A/B test results")
+    ab_sub = ab.add_subparsers(dest="ab_command", required=True)
+    rec = ab_sub.add_parser("record", parents=[common], help="log an observed online metric")
+    rec.add_argument("--experiment", required=True, help="A/B experiment name")
+    rec.add_argument("--variant", required=True, choices=["A", "B"])
+    rec.add_argument("--metric", required=True, help="e.g. ctr, watch_time")
+    rec.add_argument("--value", required=True, type=float)
+    rec.add_argument("--run-id", help="MLflow run id of the model behind this variant")
+    emb = sub.add_parser("embeddings", help="exported embeddings for other consumers")
+    emb_sub = emb.add_subparsers(dest="embeddings_command", required=True)
+    emb_exp = emb_sub.add_parser(
+        "export", parents=[common], help="a version's embeddings as parquet, npy or tfrecord"
+    )
+    emb_exp.add_argument("--version", required=True, type=int, help="export version V")
+    emb_exp.add_argument("--format", required=True, choices=["parquet", "npy", "tfrecord"])
+    emb_exp.add_argument(
+        "--output", help="output folder (default: <workdir>/embeddings-export/<V>-<format>)"
+    )
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point: run one subcommand; a user error becomes one line and a non-zero exit."""
+    args = _parser().parse_args(argv)
+    logging.basicConfig(
+        level=logging.DEBUG if args.verbose else logging.INFO,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        stream=sys.stderr,
+    )
+    for noisy in ("apache_beam", "absl", "tensorflow", "mlflow", "alembic"):
+        logging.getLogger(noisy).setLevel(logging.WARNING)
+    # Every log line (ours, MLflow's, Beam's, and warnings routed through logging) loses URI
+    # credentials and secret values before it is written (docs/OPERATIONS.md, Security).
+    logging.captureWarnings(True)
+    install_log_redaction()
+    try:
+        # Checked before the commands' import, which is about 5 s (TensorFlow, Beam, MLflow;
+        # `python -X importtime`) that `--help` and a bad config or date never need.
+        config = load_config(args.config)
+        date = parse_date(getattr(args, "date", None), config.nightly.timezone)
+        from conductor.commands import dispatch
+
+        return dispatch(args, config, date)
+    except RecsysError as exc:
+        print(f"recsys: error: {redact_text(str(exc))}", file=sys.stderr)
+        return exc.exit_code
+    except KeyboardInterrupt:
+        print("recsys: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())
