@@ -57,7 +57,7 @@ from recsys import evaluation as ev
 from recsys.core import schema
 from recsys.core.config import EvaluationConfig, RecsysConfig, load_config
 from recsys.core.layout import Workdir
-from recsys.training.dataset import load_split
+from recsys.data_io import load_split
 
 REPO = Path(__file__).resolve().parent.parent
 DATE = dt.date(1998, 4, 30)  # after the last rating in u.data

@@ -6,6 +6,7 @@ import argparse
 import logging
 import sys
 from collections.abc import Sequence
+from typing import Any
 
 from recsys.core.config import load_config
 from recsys.core.errors import RecsysError
@@ -84,9 +85,12 @@ def _parser() -> argparse.ArgumentParser:
     )
     cmp.add_argument("--output", help="report folder (default: <workdir>/comparisons/<time>)")
     cmp.add_argument("--no-log", action="store_true", help="do not log the report to MLflow")
-    ab = sub.add_parser("ab", help="online A/B test results")
+    ab = sub.add_parser("ab", help="online A/B tests: assign users, analyse the log, decide")
     ab_sub = ab.add_subparsers(dest="ab_command", required=True)
-    rec = ab_sub.add_parser("record", parents=[common], help="log an observed online metric")
+    _ab_parsers(ab_sub, common)
+    rec = ab_sub.add_parser(
+        "record", parents=[common], help="(deprecated: use `ab analyze`) log one online number"
+    )
     rec.add_argument("--experiment", required=True, help="A/B experiment name")
     rec.add_argument("--variant", required=True, choices=["A", "B"])
     rec.add_argument("--metric", required=True, help="e.g. ctr, watch_time")
@@ -103,6 +107,45 @@ def _parser() -> argparse.ArgumentParser:
         "--output", help="output folder (default: <workdir>/embeddings-export/<V>-<format>)"
     )
     return parser
+
+
+def _ab_parsers(ab_sub: Any, common: argparse.ArgumentParser) -> None:
+    definition = argparse.ArgumentParser(add_help=False)
+    definition.add_argument("--experiment", required=True, help="A/B experiment name")
+    definition.add_argument("--definition", help="experiment definition YAML (docs/AB_TESTING.md)")
+    asg = ab_sub.add_parser(
+        "assign", parents=[common, definition], help="variant of every user in a file (+ MLflow)"
+    )
+    asg.add_argument("--users", required=True, help="user ids: text (one a line), CSV or Parquet")
+    asg.add_argument("--output", help="CSV user_id,variant,bucket (default: <workdir>/ab/...)")
+    asg.add_argument("--variants", help="variant=model pairs, control first (A=champion,B=v7)")
+    asg.add_argument("--split", help="variant=share pairs of all traffic (A=0.45,B=0.45)")
+    asg.add_argument("--holdout", type=float, help="share of users held out of the experiment")
+    asg.add_argument("--salt", help="hash salt (change it to reshuffle users)")
+    asg.add_argument("--start", help="first day of the experiment, YYYY-MM-DD")
+    asg.add_argument("--primary-metric", help="default: ctr when clicks and impressions exist")
+    asg.add_argument("--no-log", action="store_true", help="do not record it in MLflow")
+    ana = ab_sub.add_parser(
+        "analyze", parents=[common, definition], help="analyse an exposure/outcome log"
+    )
+    ana.add_argument("--events", required=True, help="Parquet or CSV: user_id, variant, ...")
+    ana.add_argument("--pre-events", help="pre-period log of the same users (CUPED)")
+    ana.add_argument(
+        "--start", help="first day YYYY-MM-DD (default: the definition's): earlier rows are CUPED's"
+    )
+    ana.add_argument("--output", help="report folder (default: <workdir>/ab/<name>/<time>)")
+    ana.add_argument(
+        "--promote", action="store_true", help="move `champion` to the winner, if there is one"
+    )
+    ana.add_argument("--no-log", action="store_true", help="do not log the analysis to MLflow")
+    pln = ab_sub.add_parser(
+        "plan", parents=[common], help="users needed / MDE from a log of normal traffic"
+    )
+    pln.add_argument("--events", required=True, help="Parquet or CSV: user_id, timestamp, ...")
+    pln.add_argument("--effect", type=float, default=0.02, help="relative lift to detect")
+    pln.add_argument("--share", type=float, default=0.5, help="treatment's share of the test")
+    pln.add_argument("--alpha", type=float, default=0.05)
+    pln.add_argument("--power", type=float, default=0.8)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

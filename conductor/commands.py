@@ -6,6 +6,7 @@ import argparse
 import datetime as dt
 import json
 import os
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -15,9 +16,11 @@ from conductor import stages
 from conductor.lock import WorkdirLock
 from conductor.nightly import backfill, run_nightly
 from recsys import tuning
+from recsys.ab import workflow as ab_workflow
+from recsys.ab.planning import format_plan, plan
 from recsys.core.config import REPO_CONFIGS, RecsysConfig
 from recsys.core.errors import ConfigError
-from recsys.core.layout import SUCCESS, parse_date
+from recsys.core.layout import SUCCESS, DataFile, RunFile, parse_date
 from recsys.tracking.compare import compare, format_table
 from recsys.tracking.runs import record_ab_metric
 from recsys.training.trainer import is_chief
@@ -65,7 +68,7 @@ def _run_stage(args: argparse.Namespace, config: Any, workdir: Any, date: Any) -
         )
     elif args.command == "evaluate":
         run_dir, report = stages.evaluate(config, workdir, date, args.run_id)
-        print(f"metrics: {run_dir / 'metrics.json'}")
+        print(f"metrics: {run_dir / RunFile.METRICS}")
         _print_metrics(report)
     elif args.command == "export":
         exported = stages.export(config, workdir, date, args.run_id, args.verify)
@@ -96,6 +99,8 @@ def _run_stage(args: argparse.Namespace, config: Any, workdir: Any, date: Any) -
         _compare(args, config, workdir)
     elif args.command == "embeddings":
         _embeddings(args, workdir)
+    elif args.command == "ab" and args.ab_command != "record":
+        _ab(args, config, workdir)
     elif args.command == "ab":
         run_id = record_ab_metric(
             config,
@@ -108,6 +113,11 @@ def _run_stage(args: argparse.Namespace, config: Any, workdir: Any, date: Any) -
             model_run_id=args.run_id,
         )
         print(f"recorded {args.metric}={args.value} for variant {args.variant} (run {run_id})")
+        print(
+            "note: `recsys ab record` is deprecated: log exposures and outcomes and run "
+            "`recsys ab analyze` (docs/AB_TESTING.md)",
+            file=sys.stderr,
+        )
     # Both gate outcomes (promote, keep) are successful runs: exit code 0.
     return 0
 
@@ -140,6 +150,42 @@ def _tune(args: argparse.Namespace, config: Any, workdir: Any, date: Any) -> Non
     print(f"config:      {result.output}")
 
 
+def _ab(args: argparse.Namespace, config: Any, workdir: Any) -> None:
+    if args.ab_command == "plan":
+        plans = plan(Path(args.events), rel_effect=args.effect, share_t=args.share,
+                     alpha=args.alpha, power=args.power)  # fmt: skip
+        print(format_plan(plans, args.effect))
+        return
+    stamp = f"{dt.datetime.now(dt.UTC):%Y%m%dT%H%M%SZ}"
+    folder = workdir.root / "ab" / args.experiment
+    if args.ab_command == "assign":
+        definition = ab_workflow.definition_from_options(
+            args.experiment,
+            Path(args.definition) if args.definition else None,
+            variants=args.variants, split=args.split, holdout=args.holdout, salt=args.salt,
+            start=args.start, primary_metric=args.primary_metric,
+        )  # fmt: skip
+        output = Path(args.output) if args.output else folder / f"assignment-{stamp}.csv"
+        path, counts, pinned = ab_workflow.assign_file(
+            config, workdir.root, definition, Path(args.users), output,
+            log_to_mlflow=not args.no_log,
+        )  # fmt: skip
+        print(f"assignment: {path}")
+        print("users:      " + ", ".join(f"{v} {n}" for v, n in counts.items()))
+        models = ", ".join(f"{v}={m} (version {pinned.versions.get(v, '?')})"
+                           for v, m in pinned.variants.items())  # fmt: skip
+        print(f"models:     {models}")
+        return
+    result = ab_workflow.analyze_experiment(
+        config, workdir.root, args.experiment, Path(args.events),
+        Path(args.output) if args.output else folder / stamp,
+        definition_path=Path(args.definition) if args.definition else None,
+        pre_events=Path(args.pre_events) if args.pre_events else None, start=args.start,
+        promote=args.promote, log_to_mlflow=not args.no_log,
+    )  # fmt: skip
+    print(ab_workflow.format_report(result))
+
+
 def _embeddings(args: argparse.Namespace, workdir: Any) -> None:
     default = workdir.root / "embeddings-export" / f"{args.version}-{args.format}"
     output = Path(args.output) if args.output else default
@@ -169,14 +215,14 @@ def _print_nightly(result: Any) -> None:
         "stages:      "
         + ", ".join(f"{s.name} {s.status} ({s.seconds:.1f} s)" for s in result.stages)
     )
-    exported = json.loads((result.run_dir / "export.json").read_text())
+    exported = json.loads((result.run_dir / RunFile.EXPORT).read_text())
     for name, path in exported.get("models", {}).items():
         print(f"savedmodel:  {name} -> {path}")
     for name, path in exported.get("embeddings", {}).items():
         print(f"embeddings:  {name} -> {path}")
     publish = result.info("publish")
     print(f"mlflow run:  {publish.get('mlflow_run_id')}")
-    metrics = json.loads((result.run_dir / "metrics.json").read_text())
+    metrics = json.loads((result.run_dir / RunFile.METRICS).read_text())
     _print_metrics(metrics)
     print(
         f"registered:  version {publish.get('registered_version')} "
@@ -207,7 +253,7 @@ def _print_checks(checks: list[dict[str, Any]]) -> None:
 
 
 def _read_stats(data_dir: Path) -> dict[str, Any]:
-    return json.loads((data_dir / "stats.json").read_text())
+    return json.loads((data_dir / DataFile.STATS).read_text())
 
 
 def _print_stats(out: Path, stats: dict[str, Any]) -> None:

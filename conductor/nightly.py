@@ -37,10 +37,14 @@ from recsys.core.errors import ConfigError, RecsysError, StageFailedError, Stora
 from recsys.core.faults import fault_point
 from recsys.core.layout import (
     STAGES,
+    DataFile,
+    RunFile,
     Workdir,
+    WorkdirFile,
     clean_temporaries,
     is_complete,
     mark_stage,
+    missing_outputs,
     new_run_id,
     stage_info,
 )
@@ -49,9 +53,9 @@ from recsys.tracking.runs import connect, log_file_redacted
 
 log = logging.getLogger(__name__)
 
-RUN_KEY = "nightly.json"
-SUMMARY = "summary.md"
-CHAMPION_FILE = "champion.json"
+RUN_KEY = RunFile.NIGHTLY
+SUMMARY = RunFile.SUMMARY
+CHAMPION_FILE = WorkdirFile.CHAMPION
 # errno values that mean "the disk, not the program": reported as StorageError (exit 9).
 _STORAGE_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EIO}
 
@@ -191,7 +195,7 @@ class _Nightly:
 
     def _done(self, name: str) -> dict[str, Any] | None:
         info = stage_info(self._folder(name), name)
-        if info is None:
+        if info is None or missing_outputs(name, self._folder(name)):
             return None
         if name == "preprocess":
             valid = is_complete(self._folder(name)) and info.get("digest") == self._pre_digest
@@ -341,7 +345,7 @@ class _Nightly:
 
 
 def _fingerprint(data_dir: Path) -> str | None:
-    return json.loads((data_dir / "stats.json").read_text()).get("fingerprint")
+    return json.loads((data_dir / DataFile.STATS).read_text()).get("fingerprint")
 
 
 def _failed(stage: str, exc: BaseException) -> StageFailedError:
@@ -484,7 +488,7 @@ def write_summary(result: NightlyResult) -> Path:
 
 def _metrics_table(run_dir: Path, metrics: dict[str, float]) -> list[str]:
     """Test metrics next to the baselines measured under the same protocol (metrics.json)."""
-    report_path = run_dir / "metrics.json"
+    report_path = run_dir / RunFile.METRICS
     report = json.loads(report_path.read_text()) if report_path.is_file() else {}
     baselines = report.get("baselines", {})
     users = int(metrics.get("eval_users", 0))

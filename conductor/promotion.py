@@ -22,27 +22,27 @@ from mlflow import MlflowClient
 
 from recsys.core.config import RecsysConfig
 from recsys.core.errors import StageNotReadyError, TrackingError
-from recsys.core.layout import Workdir
+from recsys.core.layout import DataFile, ModelFile, RunFile, Workdir, missing_inputs
 from recsys.core.redact import redact_text, redact_tree
 from recsys.model_evaluation import evaluate_model
 from recsys.tracking import gate, registry
 from recsys.tracking.runs import (
-    _TRACKING_FAILURES,
     DEFAULT_DEVICE,
+    TRACKING_FAILURES,
     Artifact,
-    _tracking_error,
     bounded_http_retries,
     connect,
     log_nightly_run,
     resolve_tracking_uri,
+    tracking_error,
 )
 from serving_export.serving_config import set_version_labels
 
 log = logging.getLogger(__name__)
 
-PENDING = "mlflow_pending.json"
+PENDING = RunFile.PENDING
 EMBEDDINGS_ARTIFACTS = "embeddings"
-GATE_JSON = "gate.json"
+GATE_JSON = RunFile.GATE
 # Where the champion's per-user values on today's data are written (and logged).
 GATE_DIR = "gate"
 
@@ -66,7 +66,7 @@ def device_layout(trained: Any) -> dict[str, str]:
 
 def _device_of_run(run_dir: Path) -> dict[str, str]:
     """The device layout train.json recorded (newer trainers write it), else the default."""
-    train = json.loads((run_dir / "train.json").read_text())
+    train = json.loads((run_dir / RunFile.TRAIN).read_text())
     return {key: str(train.get(key) or default) for key, default in DEFAULT_DEVICE.items()}
 
 
@@ -87,8 +87,7 @@ def publish_run(
     tracking_uri: str | None = None,
 ) -> PublishResult:
     """Log, register, gate and promote one finished run; a pending marker is left on failure."""
-    needed = ["train.json", "history.json", "metrics.json", "export.json", "per_user_eval.parquet"]
-    missing = [name for name in needed if not (run_dir / name).is_file()]
+    missing = missing_inputs("publish", run_dir)
     if missing:
         raise StageNotReadyError(
             f"{run_dir} lacks {missing}: run `recsys evaluate` and `recsys export` for it first"
@@ -107,8 +106,8 @@ def publish_run(
     try:
         with bounded_http_retries():
             result = _publish(config, workdir, date, run_dir, state, uri)
-    except (TrackingError, *_TRACKING_FAILURES) as exc:
-        error = exc if isinstance(exc, TrackingError) else _tracking_error(uri, workdir.root, exc)
+    except (TrackingError, *TRACKING_FAILURES) as exc:
+        error = exc if isinstance(exc, TrackingError) else tracking_error(uri, workdir.root, exc)
         _write_json(marker, {**state, "last_error": str(error)})
         raise TrackingError(
             f"{error}. Pending marker left at {marker}: run `recsys sync --date {date}` once "
@@ -126,10 +125,10 @@ def _publish(
     state: dict[str, Any],
     uri: str,
 ) -> PublishResult:
-    train_info = _read(run_dir / "train.json")
+    train_info = _read(run_dir / RunFile.TRAIN)
     data_dir = Path(train_info["data_dir"])
-    report = _read(run_dir / "metrics.json")
-    exported = _read(run_dir / "export.json")
+    report = _read(run_dir / RunFile.METRICS)
+    exported = _read(run_dir / RunFile.EXPORT)
     metrics = {f"test_{k}": v for k, v in report["model"].items()}
     for baseline, values in report.get("baselines", {}).items():
         metrics.update({f"{baseline}_{k}": v for k, v in values.items()})
@@ -138,12 +137,12 @@ def _publish(
     metrics["train_loop_seconds"] = float(train_info.get("seconds", 0.0))
     metrics["model_version"] = float(exported["version"])
     artifacts: list[Artifact] = [
-        run_dir / "config.yaml",
-        run_dir / "metrics.json",
-        run_dir / "per_user_eval.parquet",
-        run_dir / "history.json",
-        run_dir / "export.json",
-        (run_dir / "model", "trained_model"),
+        run_dir / RunFile.CONFIG,
+        run_dir / RunFile.METRICS,
+        run_dir / RunFile.PER_USER_EVAL,
+        run_dir / RunFile.HISTORY,
+        run_dir / RunFile.EXPORT,
+        (run_dir / RunFile.MODEL, "trained_model"),
     ]
     # The embeddings' own manifest (dim, hashes, checksums: serving_export.manifest), not the
     # vectors: they can be large and live in the workdir's embeddings/<version>/.
@@ -154,7 +153,7 @@ def _publish(
     ]
     tags = {
         "run_dir": str(run_dir.resolve()),
-        "model_path": str((run_dir / "model").resolve()),
+        "model_path": str((run_dir / RunFile.MODEL).resolve()),
         "data_dir": str(data_dir.resolve()),
         "model_version": str(exported["version"]),
         **{f"device.{k}": str(v) for k, v in state["device"].items()},
@@ -163,8 +162,8 @@ def _publish(
         config,
         workdir=workdir.root,
         run_date=date,
-        stats=_read(data_dir / "stats.json"),
-        history=_read(run_dir / "history.json"),
+        stats=_read(data_dir / DataFile.STATS),
+        history=_read(run_dir / RunFile.HISTORY),
         metrics=metrics,
         artifacts=artifacts,
         tags=tags,
@@ -253,7 +252,7 @@ def _gate_against(
             return gate.not_compared_decision(reason, force=force)
     (run_dir / GATE_DIR).mkdir(exist_ok=True)
     _write_per_user(run_dir / GATE_DIR / "champion_per_user_eval.parquet", users, per_user)
-    challenger = pq.read_table(run_dir / "per_user_eval.parquet").to_pydict()
+    challenger = pq.read_table(run_dir / RunFile.PER_USER_EVAL).to_pydict()
     c_users = challenger.pop("user_id")
     _, a, b = gate.pair_users(users, per_user, c_users, challenger)
     decision = gate.decide(
@@ -261,7 +260,7 @@ def _gate_against(
         b,
         config.gate,
         champion_summary=summary,
-        challenger_summary=_read(run_dir / "metrics.json")["model"],
+        challenger_summary=_read(run_dir / RunFile.METRICS)["model"],
         force=force,
     )
     decision.reasons.append(f"champion: version {champion.version} (run {champion.run_id})")
@@ -279,14 +278,14 @@ def evaluate_champion(
 def _champion_model(client: MlflowClient, run_id: str, tmp: Path) -> Path | None:
     """The champion's model folder: its run folder when present, else its logged copy."""
     path = client.get_run(run_id).data.tags.get("model_path")
-    if path and (Path(path) / "model.json").is_file():
+    if path and (Path(path) / ModelFile.CONFIG).is_file():
         return Path(path)
     try:
         downloaded = Path(client.download_artifacts(run_id, "trained_model", str(tmp)))
-    except _TRACKING_FAILURES as exc:
+    except TRACKING_FAILURES as exc:
         log.warning("champion model of run %s unavailable: %s", run_id, exc)
         return None
-    return downloaded if (downloaded / "model.json").is_file() else None
+    return downloaded if (downloaded / ModelFile.CONFIG).is_file() else None
 
 
 def _log_decision(

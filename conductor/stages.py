@@ -30,7 +30,16 @@ from recsys import evaluation as ev
 from recsys.core.config import ItemsConfig, RecsysConfig, parse_config
 from recsys.core.errors import ConfigError, DataError
 from recsys.core.faults import fault_point
-from recsys.core.layout import Workdir, mark_complete, new_run_id, next_version, require_complete
+from recsys.core.layout import (
+    DataFile,
+    EmbeddingsFile,
+    RunFile,
+    Workdir,
+    mark_complete,
+    new_run_id,
+    next_version,
+    require_complete,
+)
 from recsys.core.redact import redact_tree
 from recsys.model import TrainedModel
 from recsys.model_evaluation import evaluate_model
@@ -128,10 +137,10 @@ def train(
         _save_discarded(result.model, run_dir)
         return None, result
     shutil.rmtree(backup, ignore_errors=True)  # Keras empties it after a finished run
-    result.model.save(run_dir / "model")
-    _write_json(run_dir / "history.json", result.history)
+    result.model.save(run_dir / RunFile.MODEL)
+    _write_json(run_dir / RunFile.HISTORY, result.history)
     _write_json(
-        run_dir / "train.json",
+        run_dir / RunFile.TRAIN,
         {
             "data_dir": str(data_dir.resolve()),
             "examples_per_second": result.examples_per_second,
@@ -143,20 +152,20 @@ def train(
             "precision": result.precision,
             "best_epoch": result.best_epoch,
             "config_digest": config.digest(),
-            "data_fingerprint": _read_json(data_dir / "stats.json").get("fingerprint"),
+            "data_fingerprint": _read_json(data_dir / DataFile.STATS).get("fingerprint"),
         },
     )
     # Without credentials (tracking.uri may carry some): the digest ignores them, so `recsys
     # sync` still finds this run's MLflow twin from this file.
     clean = redact_tree(config.model_dump(mode="json"), environ={})
-    (run_dir / "config.yaml").write_text(yaml.safe_dump(clean))
+    (run_dir / RunFile.CONFIG).write_text(yaml.safe_dump(clean))
     mark_complete(run_dir)
     return run_dir, result
 
 
 def _save_discarded(model: Any, run_dir: Path) -> None:
     """A non-chief worker saves too (the Keras multi-worker pattern), into a temp dir it drops."""
-    tmp = write_dir(run_dir / "model", chief=False)
+    tmp = write_dir(run_dir / RunFile.MODEL, chief=False)
     try:
         model.save(tmp)
     finally:
@@ -193,7 +202,7 @@ def _run_dir(workdir: Workdir, date: dt.date, run_id: str | None) -> Path:
 
 def run_data_dir(run_dir: Path) -> Path:
     """The data folder a training run was trained on (recorded in its train.json)."""
-    return Path(json.loads((run_dir / "train.json").read_text())["data_dir"])
+    return Path(json.loads((run_dir / RunFile.TRAIN).read_text())["data_dir"])
 
 
 def evaluate(
@@ -203,16 +212,16 @@ def evaluate(
     run_dir = _run_dir(workdir, date, run_id)
     data_dir = run_data_dir(run_dir)
     log.info("evaluate: %s on %s (test split)", run_dir.name, data_dir)
-    eval_set, result = evaluate_model(config, run_dir / "model", data_dir)
-    result.write_per_user(run_dir / "per_user_eval.parquet", eval_set.users)
-    counts = pq.read_table(data_dir / "item_features.parquet")["train_count"].to_numpy()
+    eval_set, result = evaluate_model(config, run_dir / RunFile.MODEL, data_dir)
+    result.write_per_user(run_dir / RunFile.PER_USER_EVAL, eval_set.users)
+    counts = pq.read_table(data_dir / DataFile.ITEM_FEATURES)["train_count"].to_numpy()
     baseline = ev.evaluate(ev.popularity_scores(np.asarray(counts)), eval_set, config.evaluation)
     report = {
         "protocol": "leave-last-out test item; train+validation items removed; full catalog",
         "model": result.metrics,
         "baselines": {"popularity": baseline.metrics},
     }
-    _write_json(run_dir / "metrics.json", report)
+    _write_json(run_dir / RunFile.METRICS, report)
     return run_dir, report
 
 
@@ -235,7 +244,7 @@ def export(
 ) -> ExportResult:
     """SavedModels (TF Serving layout) and embedding files for a run, verified when asked."""
     run_dir = _run_dir(workdir, date, run_id)
-    model = TrainedModel.load(run_dir / "model")
+    model = TrainedModel.load(run_dir / RunFile.MODEL)
     version = _reserve_version(run_dir, workdir)
     log.info("export: %s as version %d", run_dir.name, version)
     report: dict[str, Any] = {}
@@ -284,12 +293,12 @@ def export(
         kind: workdir.embeddings(version) / f"{kind}.parquet" for kind in ("items", "users")
     }
     _write_json(
-        run_dir / "export.json",
+        run_dir / RunFile.EXPORT,
         {
             "version": version,
             "models": {k: str(v) for k, v in models.items()},
             "embeddings": {k: str(v) for k, v in embeddings.items()},
-            "embeddings_manifest": str(workdir.embeddings(version) / "manifest.json"),
+            "embeddings_manifest": str(workdir.embeddings(version) / EmbeddingsFile.MANIFEST),
             "ann": staged_embeddings["ann"],
             "serving": serving,
             "verification": report,
@@ -304,7 +313,7 @@ def _reserve_version(run_dir: Path, workdir: Workdir) -> int:
     Without the reservation a crash after publishing some models (query/7) but not others
     would leave version 7 half-served and the rerun would publish everything as version 8.
     """
-    path = run_dir / "export_version.json"
+    path = run_dir / RunFile.EXPORT_VERSION
     if path.is_file():
         return int(json.loads(path.read_text())["version"])
     names = ("query", "candidate", "retrieval")
@@ -324,7 +333,7 @@ def sync(
     results = []
     for run_dir in pending_runs(workdir, date):
         # The run's own config: its digest identifies the run, whatever --config says now.
-        run_config = parse_config(yaml.safe_load((run_dir / "config.yaml").read_text()))
+        run_config = parse_config(yaml.safe_load((run_dir / RunFile.CONFIG).read_text()))
         uri = tracking_uri or config.tracking.uri
         log.info("sync: publishing %s", run_dir)
         results.append(publish_run(run_config, workdir, date, run_dir, tracking_uri=uri))

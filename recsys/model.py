@@ -24,6 +24,7 @@ import tensorflow_recommenders as tfrs
 
 from recsys.core.config import ModelConfig
 from recsys.core.errors import ConfigError, DataError, StageNotReadyError
+from recsys.core.layout import ModelFile
 from recsys.core.schema import GENRES, ITEM_FEATURES, USER_ID
 from recsys.item_tokens import MAX_GENRES, PAD, TOKENIZERS, token_matrix
 from recsys.losses import in_batch_softmax_loss
@@ -615,7 +616,7 @@ class TrainedModel:
         path.mkdir(parents=True, exist_ok=True)
         (path / "users.txt").write_text("\n".join(self.users) + "\n", encoding="utf-8")
         (path / "items.txt").write_text("\n".join(self.items) + "\n", encoding="utf-8")
-        (path / "model.json").write_text(json.dumps(self.config.model_dump(), indent=2))
+        (path / ModelFile.CONFIG).write_text(json.dumps(self.config.model_dump(), indent=2))
         self.item_features.save(path)
         self.user_features.save(path)
         self.query_tower.save_weights(str(path / "query" / "weights"))
@@ -624,9 +625,9 @@ class TrainedModel:
     @classmethod
     def load(cls, path: Path) -> TrainedModel:
         """Rebuild the towers saved by `save` and restore their weights."""
-        if not (path / "model.json").is_file():
+        if not (path / ModelFile.CONFIG).is_file():
             raise StageNotReadyError(f"no trained model at {path}: run `recsys train` first")
-        raw = json.loads((path / "model.json").read_text())
+        raw = json.loads((path / ModelFile.CONFIG).read_text())
         # Models saved before a feature existed were trained without it: keep it off.
         for key, off in _ADDED_OFF.items():
             raw.setdefault(key, off)

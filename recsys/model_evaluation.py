@@ -11,8 +11,8 @@ from pathlib import Path
 
 from recsys import evaluation as ev
 from recsys.core.config import RecsysConfig
+from recsys.data_io import load_split
 from recsys.model import TrainedModel
-from recsys.training.dataset import load_split
 
 
 def evaluate_model(

@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from recsys.core.config import ExportConfig
-from recsys.core.layout import replace_dir
+from recsys.core.layout import EmbeddingsFile, replace_dir
 from recsys.model import TrainedModel
 from serving_export.activity import Activity
 from serving_export.ann import build_ann
@@ -49,12 +49,15 @@ def stage_embeddings(
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     items = write_item_embeddings(
-        model, directory / "items.parquet", version, activity.item_columns if activity else None
+        model,
+        directory / EmbeddingsFile.ITEMS,
+        version,
+        activity.item_columns if activity else None,
     )
     users = write_user_embeddings(
         model,
         model.users,
-        directory / "users.parquet",
+        directory / EmbeddingsFile.USERS,
         version,
         histories=activity.histories if activity else None,
         columns=activity.user_columns if activity else None,
@@ -76,8 +79,8 @@ def stage_embeddings(
 
 def _build_ann(directory: Path, config: ExportConfig) -> dict[str, Any]:
     # Built from the files just written, as an external consumer would build it.
-    _, items, _ = read_embeddings(directory / "items.parquet")
-    _, users, _ = read_embeddings(directory / "users.parquet")
+    _, items, _ = read_embeddings(directory / EmbeddingsFile.ITEMS)
+    _, users, _ = read_embeddings(directory / EmbeddingsFile.USERS)
     entry = build_ann(
         directory, items, users, config.ann_nlist, config.ann_nprobe, config.ann_recall_k
     )

@@ -33,6 +33,7 @@ import tensorflow as tf
 from recsys.core import schema
 from recsys.core.layout import atomic_dir
 from recsys.core.schema import GENRES, HISTORY, ITEM_ID, TITLE, USER_ID
+from recsys.data_io import history_indices
 from recsys.item_tokens import GRAPH_TOKENIZERS, graph_token_matrix
 from recsys.model import (
     HISTORY_INDEX,
@@ -42,7 +43,7 @@ from recsys.model import (
     feature_index,
     string_lookup,
 )
-from recsys.training.dataset import history_indices
+from recsys.topk import exact_tf_top_k
 from serving_export.signatures import (
     CANDIDATE,
     EMBEDDING,
@@ -238,7 +239,6 @@ class RetrievalModule(tf.Module):
         self.pad_score = pad_score(model)
 
     def _top_k(self, queries: tf.Tensor, k: tf.Tensor) -> dict[str, tf.Tensor]:
-        scores = tf.matmul(queries, self.item_embeddings, transpose_b=True)
         batch = tf.shape(queries)[0]
         k = tf.reshape(k, [-1])
         # One k per row (the REST row format needs every input batched); a single k, or any
@@ -250,11 +250,11 @@ class RetrievalModule(tf.Module):
         )
         per_row = tf.clip_by_value(per_row, 1, self.max_k)
         width = tf.reduce_max(tf.concat([per_row, [1]], 0))
-        top = tf.math.top_k(scores, k=width, sorted=True)  # ties: lower index (vocab order) first
+        scores, rows = exact_tf_top_k(queries, self.item_embeddings, width)  # recsys.topk
         keep = tf.range(width)[None, :] < per_row[:, None]
         return {
-            ITEM_IDS: tf.where(keep, tf.gather(self.item_ids, top.indices), PAD_ITEM_ID),
-            SCORES: tf.where(keep, top.values, self.pad_score),
+            ITEM_IDS: tf.where(keep, tf.gather(self.item_ids, rows), PAD_ITEM_ID),
+            SCORES: tf.where(keep, scores, self.pad_score),
         }
 
     @tf.function(input_signature=[_USER_ID_SPEC, _HISTORY_SPEC, _K_SPEC])

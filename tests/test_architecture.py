@@ -5,11 +5,15 @@ And the one environment setting TensorFlow reads at its first import reaches eve
 
 import graphlib
 import os
+import re
 import subprocess
 import sys
+from pathlib import Path
 
 import grimp
 import pytest
+
+from recsys.core import layout
 
 PACKAGES = ("conductor", "beam_jobs", "serving_export", "recsys")
 
@@ -67,3 +71,67 @@ def test_tensorflow_imported_by_the_model_uses_tf_keras() -> None:
     done = _fresh_python("import recsys.model, tensorflow as tf; print(tf.keras.__name__)")
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.strip().splitlines()[-1].startswith("tf_keras"), done.stdout
+
+
+# File names of the working directory's folders: declared once, in recsys/core/layout.py.
+LAYOUT_FILE_NAMES = (
+    "stats.json",
+    "item_features.parquet",
+    "metrics.json",
+    "export.json",
+    "per_user_eval.parquet",
+    "model.json",
+    "history.json",
+    "train.json",
+    "nightly.json",
+    "export_version.json",
+    "summary.md",
+    "config.yaml",
+    "champion.json",
+    "manifest.json",
+    "items.parquet",
+    "users.parquet",
+    "models.config",
+    "mlflow_pending.json",
+)
+_ROOT = Path(__file__).resolve().parents[1]
+
+
+def layout_literals(root: Path) -> list[str]:
+    """`file:line: name` for each quoted layout file name in our packages outside layout.py."""
+    pattern = re.compile("[\"'](" + "|".join(map(re.escape, LAYOUT_FILE_NAMES)) + ")[\"']")
+    found = []
+    for package in PACKAGES:
+        for path in sorted((root / package).rglob("*.py")):
+            if path.relative_to(root).as_posix() == "recsys/core/layout.py":
+                continue
+            for number, line in enumerate(path.read_text().splitlines(), 1):
+                if match := pattern.search(line):
+                    found.append(f"{path.relative_to(root)}:{number}: {match.group(1)}")
+    return found
+
+
+def test_no_layout_file_name_outside_the_layout_module() -> None:
+    """Stages name their files through recsys.core.layout (DataFile, RunFile, ...), not text."""
+    assert layout_literals(_ROOT) == []
+
+
+def test_the_literal_check_finds_a_literal(tmp_path: Path) -> None:
+    """The check is not vacuous: a quoted file name in a package module is reported."""
+    (tmp_path / "recsys").mkdir()
+    (tmp_path / "recsys" / "stage.py").write_text('METRICS = run_dir / "metrics.json"\n')
+    assert layout_literals(tmp_path) == ["recsys/stage.py:1: metrics.json"]
+
+
+def test_every_stage_output_is_declared_and_completeness_follows_it(tmp_path: Path) -> None:
+    """A folder holding a stage's declared outputs is complete; removing one makes it not."""
+    for name in layout.STAGE_SPECS["evaluate"].writes:
+        (tmp_path / name).write_text("{}")
+    assert layout.missing_outputs("evaluate", tmp_path) == []
+    (tmp_path / layout.RunFile.METRICS).unlink()
+    assert layout.missing_outputs("evaluate", tmp_path) == ["metrics.json"]
+    assert set(layout.STAGE_SPECS) == set(layout.STAGES)
+    for spec in layout.STAGE_SPECS.values():
+        earlier = layout.STAGES[: layout.STAGES.index(spec.name)]
+        made = {n for s in earlier for n in layout.STAGE_SPECS[s].writes}
+        assert set(spec.reads) <= made, f"{spec.name} reads what no earlier stage writes"

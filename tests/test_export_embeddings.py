@@ -306,11 +306,13 @@ def test_cli_error_for_a_missing_version_is_one_line(
 
 
 def test_exact_top_k_in_bounded_chunks_equals_one_matmul(monkeypatch: pytest.MonkeyPatch) -> None:
+    from recsys import topk
     from serving_export import ann
 
     rng = np.random.default_rng(1)
-    items, queries = rng.normal(size=(300, 8)), rng.normal(size=(37, 8))
+    items = rng.normal(size=(300, 8)).astype(np.float32)
+    queries = rng.normal(size=(37, 8)).astype(np.float32)
     whole = np.argsort(-(queries @ items.T), axis=1, kind="stable")[:, :10]
-    monkeypatch.setattr(ann, "_SCORE_BUDGET", 1000)  # 3 queries per chunk
+    monkeypatch.setattr(topk, "_SCORE_BUDGET", 1000)  # 3 queries per chunk
     np.testing.assert_array_equal(ann.exact_top_k(items, queries, 10), whole)
     assert ann.exact_top_k(items, queries[:0], 10).shape == (0, 10)

@@ -97,8 +97,8 @@ def test_export_publishes_models_embeddings_manifest_and_config(
 def test_users_parquet_uses_the_latest_histories(
     exported: stages.ExportResult, trained: tuple[RecsysConfig, Workdir, Path]
 ) -> None:
+    from recsys.data_io import latest_histories
     from recsys.model import TrainedModel
-    from recsys.training.dataset import latest_histories
     from serving_export.activity import read_activity
 
     _, workdir, run_dir = trained
@@ -152,12 +152,11 @@ def test_a_killed_export_leaves_no_visible_version(
         from conductor import stages
         from recsys.core.config import load_config
         from recsys.core.layout import Workdir
-        import serving_export.publish as publish
 
         def killed(*args, **kwargs):
             os.kill(os.getpid(), signal.SIGKILL)
 
-        publish.stage_embeddings = killed
+        stages.stage_embeddings = killed  # stages imports it by name
         stages.export(load_config({str(tmp_path / "config.yaml")!r}),
                       Workdir(Path({str(workdir.root)!r})),
                       __import__("datetime").date.fromisoformat({SMALL_DATE!r}),

@@ -146,7 +146,7 @@ def test_savedmodels_reload_in_a_fresh_process(nightly: tuple[Path, str], tmp_pa
     # users.parquet holds each user's vector with their latest items: send the same history
     # ("" pads the rows, as a TF Serving client would).
     from recsys.core.config import ModelConfig
-    from recsys.training.dataset import latest_histories
+    from recsys.data_io import latest_histories
 
     length = ModelConfig.model_validate(SMALL["model"]).history_length
     hist = latest_histories(work / "data" / SMALL_DATE, ids, length)
