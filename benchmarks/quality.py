@@ -12,7 +12,7 @@ with the user's non-test items removed:
   on validation NDCG@10 with seed 0 (one setting changed at a time from the literature's
   per-dataset start), then trained with the other seeds; the test query is the sequence
   including the validation item;
-- ours: the project's pipeline (Beam preprocess -> train -> export, `recsys.stages`) on the
+- ours: the project's pipeline (Beam preprocess -> train -> export, `conductor.stages`) on the
   log WITHOUT the test rows, with `configs/default.yaml` whose data section alone is
   replaced (plus `training.seed` per seed); scored as an outside scorer would, from the
   exported users.parquet (each user's vector from their latest history in the log given to

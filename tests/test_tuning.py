@@ -16,7 +16,7 @@ from recsys import tuning
 from recsys.core.config import RecsysConfig, load_config, parse_config
 from recsys.core.errors import ConfigError
 from recsys.core.layout import Workdir
-from recsys.training.dataset import load_split
+from recsys.data_io import load_split
 from tests.conftest import SMALL, SMALL_DATE
 from tests.mlflow_server import MlflowServer
 
