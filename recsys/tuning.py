@@ -35,6 +35,7 @@ from mlflow.utils.mlflow_tags import MLFLOW_PARENT_RUN_ID, MLFLOW_RUN_NAME
 
 from recsys.core.config import RecsysConfig, SearchDimension, parse_config
 from recsys.core.errors import DataError, OutOfMemoryError, StageFailedError, TrackingError
+from recsys.core.layout import DataFile
 from recsys.tracking import runs as tracking
 from recsys.training.trainer import train
 
@@ -164,7 +165,7 @@ def tune(
     `base_yaml` is the config file as written (the output keeps its layout and data section);
     by default the whole validated config is written. The test split is never read.
     """
-    stats = json.loads((Path(data_dir) / "stats.json").read_text())
+    stats = json.loads((Path(data_dir) / DataFile.STATS).read_text())
     if not int(stats.get("splits", {}).get("validation", 0)):
         raise DataError(
             f"{data_dir} has no validation examples: tuning needs users with at least "
