@@ -11,6 +11,7 @@
 the rejection rate, and publishes the folder by renaming it (see docs/PREPROCESSING.md).
 """
 
+import contextlib
 import datetime as dt
 import json
 import logging
@@ -20,14 +21,22 @@ from pathlib import Path
 from typing import Any
 
 import apache_beam as beam
-from apache_beam.options.pipeline_options import PipelineOptions, StandardOptions
 from apache_beam.runners.portability.fn_api_runner import FnApiRunner
 from apache_beam.typehints import no_annotations
 
 from beam_jobs.inputs import InputFile, list_input_files
 from beam_jobs.items import ReadItems, item_source
-from beam_jobs.readers import Bounds, ReadAndValidate, ReadSpec, parquet_raw, read_spec
+from beam_jobs.loopback import loopback_grpc_servers
+from beam_jobs.readers import (
+    Bounds,
+    ReadAndValidate,
+    ReadSpec,
+    check_header,
+    parquet_raw,
+    read_spec,
+)
 from beam_jobs.records import Rejection
+from beam_jobs.runners import job_runner
 from beam_jobs.sinks import REJECTED_DIR, WriteRejected
 from beam_jobs.split import SECONDS_PER_DAY, SplitAndWrite, SplitSettings
 from beam_jobs.stats import (
@@ -94,7 +103,7 @@ def build_pipeline(
         | "AllRejected" >> beam.Flatten()
         | "FillRaw" >> FillRaw(spec)
     )
-    _ = rejected | "WriteRejected" >> WriteRejected(out)
+    _ = rejected | "WriteRejected" >> WriteRejected(out, pp.num_shards)
     users_side = user_source(config.data, paths)
     user_features, user_names = None, ()
     if users_side is not None:
@@ -165,20 +174,6 @@ class FillRaw(beam.PTransform):
         return (complete, filled) | "WithRaw" >> beam.Flatten()
 
 
-def pipeline_options(args: list[str]) -> tuple[PipelineOptions, Any]:
-    """Options from the Beam command-line flags, and the runner to use (None: the flags' own).
-
-    Without --runner, Beam 2.77's DirectRunner first tries Prism: it downloads the Prism binary
-    from GitHub (offline: a failed lookup, then a fallback to the FnApiRunner; behind a firewall
-    that drops packets: a wait for the timeout; online: a different runner fetched at run time).
-    Using the FnApiRunner directly skips all that; it honours --direct_running_mode and
-    --direct_num_workers just the same. An explicit --runner (DirectRunner included) is obeyed.
-    """
-    options = PipelineOptions(args)
-    runner = None if options.view_as(StandardOptions).runner else FnApiRunner()
-    return options, runner
-
-
 def run_preprocess(
     config: RecsysConfig,
     input_path: str | Path,
@@ -188,18 +183,29 @@ def run_preprocess(
 ) -> dict[str, Any]:
     """Run the Beam job; publish output_dir atomically with _SUCCESS last; return the stats dict."""
     files = list_input_files(input_path, config.data.source, run_date)
-    options, runner = pipeline_options([*config.preprocess.beam_args, *(beam_args or [])])
+    spec = read_spec(config.data)
+    for f in files:
+        check_header(f.path, spec)
     _quiet_beam_logging()
     output_dir = Path(output_dir)
     failure: DataError | None = None
     with atomic_dir(output_dir) as tmp:
-        with beam.Pipeline(runner=runner, options=options) as p:
-            build_pipeline(p, config, files, tmp, run_date)
+        with job_runner(config.preprocess, beam_args or []) as (options, runner):
+            # The local runner's worker servers stay on loopback; a remote runner's job server
+            # may need to reach the submitting process, so its servers are left as Beam makes
+            # them (the Dask runner opens none).
+            local = (
+                loopback_grpc_servers()
+                if isinstance(runner, FnApiRunner)
+                else contextlib.nullcontext()
+            )
+            with local, beam.Pipeline(runner=runner, options=options) as p:
+                build_pipeline(p, config, files, tmp, run_date)
         shutil.rmtree(tmp / SHUFFLE_DIR, ignore_errors=True)  # spilled batches, now written
         stats = json.loads((tmp / STATS_FILE).read_text(encoding="utf-8"))
         check_reconciled(stats)
         stats = add_drift(stats, tmp, output_dir)
-        failure = quality_failure(stats, config.preprocess.max_rejected_fraction, output_dir)
+        failure = quality_failure(stats, config.preprocess, output_dir)
         if failure is None:
             mark_complete(tmp)
     if failure is not None:
@@ -215,18 +221,26 @@ def run_preprocess(
 
 
 def quality_failure(
-    stats: dict[str, Any], max_rejected: float, output_dir: Path
+    stats: dict[str, Any], pp: PreprocessConfig, output_dir: Path
 ) -> DataError | None:
-    """The DataError to raise when too many rows were rejected or none accepted, else None."""
+    """The DataError to raise when too many lines were rejected or duplicated, or none kept."""
     rejected_dir = output_dir / REJECTED_DIR
     fraction = stats["rejected_fraction"]
-    if fraction > max_rejected:
+    if fraction > pp.max_rejected_fraction:
         top = sorted(stats["rejected_by_reason"].items(), key=lambda kv: (-kv[1], kv[0]))
         reasons = ", ".join(f"{reason}: {n}" for reason, n in top[:TOP_REASONS])
         return DataError(
-            f"{stats['rejected']} of {stats['input_rows']} input rows rejected "
-            f"({fraction:.2%}), above preprocess.max_rejected_fraction {max_rejected:.2%}; "
-            f"top reasons: {reasons}; see {rejected_dir}/ (output kept without _SUCCESS)"
+            f"{stats['rejected']} of {stats['input_lines']} input lines rejected "
+            f"({fraction:.2%}), above preprocess.max_rejected_fraction "
+            f"{pp.max_rejected_fraction:.2%}; top reasons: {reasons}; see {rejected_dir}/ "
+            "(output kept without _SUCCESS)"
+        )
+    if stats["duplicate_fraction"] > pp.max_duplicate_fraction:
+        return DataError(
+            f"{stats['duplicates']} of {stats['input_lines']} input lines are exact duplicates "
+            f"({stats['duplicate_fraction']:.2%}), above preprocess.max_duplicate_fraction "
+            f"{pp.max_duplicate_fraction:.2%}; each is listed (file, row) with reason "
+            f"'duplicate' in {rejected_dir}/ (output kept without _SUCCESS)"
         )
     if stats["accepted"] == 0:
         return DataError(

@@ -27,6 +27,7 @@ from beam_jobs.records import (
     MALFORMED_ROW,
     MISSING_COLUMN,
     MISSING_FIELD,
+    UNBALANCED_QUOTE,
     UNDECODABLE,
     UNREADABLE_FILE,
     WRONG_COLUMN_COUNT,
@@ -38,7 +39,7 @@ from beam_jobs.records import (
 )
 from beam_jobs.validation import validate
 from recsys.core.config import DataConfig
-from recsys.core.errors import ConfigError
+from recsys.core.errors import ConfigError, DataError
 from recsys.core.schema import ITEM_ID, TIMESTAMP, USER_ID, WEIGHT
 
 REJECTED = "rejected"
@@ -65,6 +66,23 @@ class ReadSpec:
     has_header: bool = True  # False: columns are named by index, "0", "1", ...
     event: str | None = None
     event_types: frozenset[str] | None = None
+    multiline: bool = False  # True: a quoted field may span lines (data.multiline_fields)
+
+
+@dataclass
+class LineCount:
+    """Physical lines of the files read, by kind; `data` lines are what stats.json reconciles.
+
+    Every data line ends as exactly one accepted, rejected or duplicate row. A file that cannot
+    be read at all counts as one data line (its one `unreadable_file` rejection); a Parquet
+    row counts as one line. `continuation`: lines that continued a quoted field
+    (data.multiline_fields only).
+    """
+
+    data: int = 0
+    header: int = 0
+    blank: int = 0
+    continuation: int = 0
 
 
 def read_spec(data: DataConfig) -> ReadSpec:
@@ -102,6 +120,7 @@ def read_spec(data: DataConfig) -> ReadSpec:
         has_header=data.header,
         event=cols.event_type,
         event_types=frozenset(data.event_types) if data.event_types is not None else None,
+        multiline=data.multiline_fields,
     )
 
 
@@ -154,7 +173,8 @@ class _LineFeed:
     """Decoded lines for csv.reader, remembering line numbers and raw text of the current row.
 
     A line that is not UTF-8 is handed to csv.reader as a blank line (which it skips) and
-    recorded in `undecodable`, so the rest of the file is still read.
+    recorded in `undecodable`, so the rest of the file is still read. Only used with
+    data.multiline_fields, where a quoted field may span lines.
     """
 
     def __init__(self, lines: Iterable[bytes], multi_char_delimiter: str | None = None) -> None:
@@ -182,99 +202,188 @@ class _LineFeed:
             return text.replace(self._multi, MULTI_CHAR_STAND_IN)
         return text
 
-    def take(self) -> tuple[int, str]:
-        """The first line number and the raw text of the lines read since the last take."""
+    def take(self) -> tuple[int, str, int]:
+        """First line number, raw text and number of the lines read since the last take."""
         start, raw = self._row_start, "".join(self._pending).rstrip("\r\n")
         self._pending.clear()
         self._row_start = self.line_no + 1
-        return start, raw
+        return start, raw, self.line_no - start + 1
 
 
-def read_delimited(path: str, spec: ReadSpec) -> Iterator[RawRow | Rejection]:
+def read_delimited(
+    path: str, spec: ReadSpec, lines: LineCount | None = None
+) -> Iterator[RawRow | Rejection]:
     """Rows of a delimited text file (with a header, or headerless like u.data)."""
+    lines = LineCount() if lines is None else lines
+    rows = _multiline_rows if spec.multiline else _line_rows
     try:
         with open(path, "rb") as fh:
-            yield from _delimited_rows(path, fh, spec)
+            yield from rows(path, fh, spec, lines)
     except OSError as exc:
+        lines.data += 1
         yield rejection(path, 0, None, UNREADABLE_FILE, f"{type(exc).__name__}: {exc}")
 
 
-def _delimited_rows(path: str, fh: BinaryIO, spec: ReadSpec) -> Iterator[RawRow | Rejection]:
+def split_line(text: str, delimiter: str) -> tuple[list[str] | None, str | None]:
+    """One line's fields, or (None, reason) when its quoting is broken.
+
+    A line without quotes is split as is (what csv.reader would return, faster). A quoted
+    field must close on its own line: if it does not, the line is `unbalanced_quote`, and the
+    next line is read as the next row whatever this one held.
+    """
+    if '"' not in text:
+        return text.split(delimiter), None
+    sep = delimiter
+    if len(delimiter) > 1:
+        text, sep = text.replace(delimiter, MULTI_CHAR_STAND_IN), MULTI_CHAR_STAND_IN
+    try:
+        return next(csv.reader([text], delimiter=sep, strict=True)), None
+    except csv.Error as exc:
+        # Strict parsing fails at the end of the line exactly when a quoted field is open.
+        if "unexpected end of data" in str(exc):
+            return None, UNBALANCED_QUOTE
+    try:
+        # Text after a closing quote (`"a"b`): the lenient reading, as csv.reader gives it.
+        return next(csv.reader([text], delimiter=sep)), None
+    except csv.Error:
+        return None, MALFORMED_ROW
+
+
+def header_names(fields: list[str]) -> list[str]:
+    """A header row's column names: stripped, without a spreadsheet export's BOM."""
+    names = [name.strip() for name in fields]
+    if names:
+        names[0] = names[0].removeprefix("\ufeff")
+    return names
+
+
+def _line_rows(
+    path: str, fh: BinaryIO, spec: ReadSpec, lines: LineCount
+) -> Iterator[RawRow | Rejection]:
+    """Rows of a line-oriented file: one row per non-blank line, quotes never span lines."""
+    delimiter = spec.delimiter
+    header = list(spec.header) if spec.header else None
+    table = _Table(header, spec) if header else None
+    for line_no, data in enumerate(fh, start=1):
+        try:
+            text = data.decode("utf-8").rstrip("\r\n")
+        except UnicodeDecodeError:
+            raw = data.decode("utf-8", "backslashreplace").rstrip("\r\n")
+            if table is None and spec.has_header:
+                lines.header += 1
+                lines.data += 1  # the file's one unreadable_file rejection
+                msg = f"header line {line_no} is not UTF-8: {raw[:200]}"
+                yield rejection(path, 0, None, UNREADABLE_FILE, msg)
+                return
+            lines.data += 1
+            yield rejection(path, line_no, None, UNDECODABLE, raw)
+            continue
+        if not text:
+            lines.blank += 1
+            continue
+        fields, reason = split_line(text, delimiter)
+        if table is None and spec.has_header:
+            lines.header += 1
+            table = _Table(header_names(fields or [text]), spec)
+            continue
+        lines.data += 1
+        if fields is None:
+            yield rejection(path, line_no, None, reason, text)
+            continue
+        if table is None:
+            # Headerless: columns by index, as many as the first parsed row has.
+            table = _Table([str(i) for i in range(len(fields))], spec)
+        yield table.row(path, line_no, fields, text)
+
+
+class _Table:
+    """A file's columns: turns one row's fields into a RawRow or a rejection."""
+
+    def __init__(self, header: list[str], spec: ReadSpec) -> None:
+        self.cols = _locate(header, spec)
+        self.pick = itemgetter(*self.cols.indexes)
+        self.width = len(header)
+        self.spec = spec
+
+    def row(self, path: str, line: int, fields: list[str], raw: str) -> RawRow | Rejection:
+        """The row of these fields, or the rejection of a missing column or wrong width."""
+        if self.cols.missing_field:
+            return rejection(path, line, self.cols.missing_field, MISSING_COLUMN, raw)
+        if len(fields) != self.width:
+            return rejection(path, line, None, WRONG_COLUMN_COUNT, raw)
+        return _finish(path, line, _as_tuple(self.pick(fields)), raw, self.cols, self.spec)
+
+
+def _multiline_rows(
+    path: str, fh: BinaryIO, spec: ReadSpec, lines: LineCount
+) -> Iterator[RawRow | Rejection]:
+    """Rows of a file whose quoted fields may span lines (data.multiline_fields: true)."""
     multi = spec.delimiter if len(spec.delimiter) > 1 else None
     feed = _LineFeed(fh, multi)
     reader = csv.reader(feed, delimiter=MULTI_CHAR_STAND_IN if multi else spec.delimiter)
-    first: list[str] | None = None
-    if spec.header:
-        header: list[str] | None = list(spec.header)
-    elif not spec.has_header:
-        # Columns by index: the first row (a data row) says how many there are.
-        first = _first_row(reader)
-        if first is None:
-            return
-        header = [str(i) for i in range(len(first))]
-    else:
-        header = _read_header(reader)
-    if header is None:
-        return
-    if spec.header is None and spec.has_header:
-        header_line, header_raw = feed.take()
-        if feed.undecodable:
-            msg = f"header line {header_line} is not UTF-8: {header_raw[:200]}"
-            yield rejection(path, 0, None, UNREADABLE_FILE, msg)
-            return
-    cols = _locate(header, spec)
-    pick = itemgetter(*cols.indexes)
-    width = len(header)
+    table = _Table(list(spec.header), spec) if spec.header else None
     while True:
         try:
-            fields = first if first is not None else next(reader)
-            first = None
+            fields = next(reader)
+            error = None
         except StopIteration:
             break
         except csv.Error:
-            line, raw = feed.take()
-            yield rejection(path, line, None, MALFORMED_ROW, raw)
+            fields, error = [], MALFORMED_ROW
+        line, raw, taken = feed.take()
+        undecodable = len(feed.undecodable)
+        if undecodable and table is None and spec.has_header:
+            lines.header += taken
+            lines.data += 1
+            msg = f"header line {line} is not UTF-8: {raw[:200]}"
+            yield rejection(path, 0, None, UNREADABLE_FILE, msg)
+            return
+        lines.data += undecodable
+        yield from (rejection(path, n, None, UNDECODABLE, r) for n, r in feed.undecodable)
+        feed.undecodable.clear()
+        if not fields and error is None:
+            lines.blank += taken - undecodable
             continue
-        line, raw = feed.take()
-        if feed.undecodable:
-            yield from (rejection(path, n, None, UNDECODABLE, r) for n, r in feed.undecodable)
-            feed.undecodable.clear()
-        if not fields:
-            continue  # a blank line is not a row
-        if cols.missing_field:
-            yield rejection(path, line, cols.missing_field, MISSING_COLUMN, raw)
-        elif len(fields) != width:
-            yield rejection(path, line, None, WRONG_COLUMN_COUNT, raw)
-        else:
-            yield _finish(path, line, _as_tuple(pick(fields)), raw, cols, spec)
+        if table is None and spec.has_header:
+            lines.header += taken
+            table = _Table(header_names(fields), spec)
+            continue
+        lines.data += 1
+        lines.continuation += taken - 1 - undecodable
+        if error is not None:
+            yield rejection(path, line, None, error, raw)
+            continue
+        if table is None:
+            table = _Table([str(i) for i in range(len(fields))], spec)
+        yield table.row(path, line, fields, raw)
 
 
 def _as_tuple(values: Any) -> tuple[Any, ...]:
     return values if isinstance(values, tuple) else (values,)
 
 
-def _first_row(reader: Iterator[list[str]]) -> list[str] | None:
-    # Skip blank lines and unparseable rows here; the main loop reports the latter.
-    for _ in range(1000):
-        try:
-            row = next(reader)
-        except StopIteration:
-            return None
-        except csv.Error:
-            return ["?"]
-        if row:
-            return row
-    return None
+def check_header(path: str, spec: ReadSpec) -> None:
+    """DataError naming the file and the column when a delimited file's header repeats a name.
 
-
-def _read_header(reader: Iterator[list[str]]) -> list[str] | None:
-    header = next(reader, None)
-    if header is None:
-        return None
-    header = [name.strip() for name in header]
-    if header:
-        header[0] = header[0].removeprefix("\ufeff")  # a BOM from spreadsheet exports
-    return header
+    Two columns of one name would make the row's value depend on which one is taken.
+    """
+    if spec.format != "delimited" or spec.header or not spec.has_header:
+        return
+    try:
+        with open(path, "rb") as fh:
+            first = next((line for line in fh if line.strip()), b"")
+    except OSError:
+        return  # the reader reports it as unreadable_file
+    text = first.decode("utf-8", "replace").rstrip("\r\n")
+    fields, _ = split_line(text, spec.delimiter)
+    seen: set[str] = set()
+    for name in header_names(fields or [text]):
+        if name in seen:
+            raise DataError(
+                f"{path}: the header names column {name!r} twice; rename one of them "
+                "(which one holds the value would be a guess)"
+            )
+        seen.add(name)
 
 
 def read_parquet(path: str, spec: ReadSpec) -> Iterator[RawRow | Rejection]:
@@ -319,16 +428,22 @@ def _batch_rows(
         yield _finish(path, i, values, raw, cols, spec)
 
 
-def read_jsonl(path: str, spec: ReadSpec) -> Iterator[RawRow | Rejection]:
+def read_jsonl(
+    path: str, spec: ReadSpec, lines: LineCount | None = None
+) -> Iterator[RawRow | Rejection]:
     """Rows of a JSON Lines file: one object per line, fields by key (absent key: null)."""
+    lines = LineCount() if lines is None else lines
     try:
         with open(path, "rb") as fh:
-            yield from _jsonl_rows(path, fh, spec)
+            yield from _jsonl_rows(path, fh, spec, lines)
     except OSError as exc:
+        lines.data += 1
         yield rejection(path, 0, None, UNREADABLE_FILE, f"{type(exc).__name__}: {exc}")
 
 
-def _jsonl_rows(path: str, fh: BinaryIO, spec: ReadSpec) -> Iterator[RawRow | Rejection]:
+def _jsonl_rows(
+    path: str, fh: BinaryIO, spec: ReadSpec, lines: LineCount
+) -> Iterator[RawRow | Rejection]:
     keys = [spec.user, spec.item, spec.timestamp, spec.weight]
     if spec.event:
         keys.append(spec.event)
@@ -336,12 +451,15 @@ def _jsonl_rows(path: str, fh: BinaryIO, spec: ReadSpec) -> Iterator[RawRow | Re
         try:
             text = data.decode("utf-8")
         except UnicodeDecodeError:
+            lines.data += 1
             raw = data.decode("utf-8", "backslashreplace").rstrip("\r\n")
             yield rejection(path, line_no, None, UNDECODABLE, raw)
             continue
         raw = text.rstrip("\r\n")
         if not raw.strip():
+            lines.blank += 1
             continue  # a blank line is not a row
+        lines.data += 1
         try:
             record = json.loads(raw)
         except (ValueError, RecursionError):
@@ -524,32 +642,45 @@ def _limits(bounds: Bounds) -> tuple[int, int, int]:
     return bounds.cutoff, bounds.divisor, bounds.floor
 
 
-def read_parquet_batches(path: str, file: int, spec: ReadSpec, bounds: Bounds) -> Iterator[Output]:
-    """A Parquet file as validated record batches and rejections."""
+def read_parquet_batches(
+    path: str, file: int, spec: ReadSpec, bounds: Bounds, lines: LineCount | None = None
+) -> Iterator[Output]:
+    """A Parquet file as validated record batches and rejections (a row counts as a line)."""
+    lines = LineCount() if lines is None else lines
     row = 0  # rows read so far
     try:
         pf = pq.ParquetFile(path)
         names = pf.schema_arrow.names
         cols = _locate(names, spec)
         if cols.missing_field:
-            yield from read_parquet(path, spec)
+            for out in read_parquet(path, spec):
+                lines.data += 1
+                yield out
             return
         wanted = [names[i] for i in cols.indexes]
         columns = list(dict.fromkeys(wanted))
         for batch in pf.iter_batches(batch_size=PARQUET_BATCH_ROWS, columns=columns):
             yield from validate_parquet_batch(path, file, row, batch, wanted, cols, spec, bounds)
             row += batch.num_rows
+            lines.data += batch.num_rows
     except (OSError, pa.ArrowException) as exc:
+        lines.data += 1
         first_unread = row + 1 if row else 0
         yield rejection(path, first_unread, None, UNREADABLE_FILE, f"{type(exc).__name__}: {exc}")
 
 
-def read_batches(path: str, file: int, spec: ReadSpec, bounds: Bounds) -> Iterator[Output]:
-    """Any input file as validated record batches and rejections (one per rejected row)."""
+def read_batches(
+    path: str, file: int, spec: ReadSpec, bounds: Bounds, lines: LineCount | None = None
+) -> Iterator[Output]:
+    """Any input file as validated record batches and rejections (one per rejected row).
+
+    `lines` (optional) counts the file's physical lines by kind as they are read.
+    """
+    lines = LineCount() if lines is None else lines
     if spec.format == "parquet":
-        return read_parquet_batches(path, file, spec, bounds)
+        return read_parquet_batches(path, file, spec, bounds, lines)
     reader = read_jsonl if spec.format == "jsonl" else read_delimited
-    return _validated(reader(path, spec), file, bounds)
+    return _validated(reader(path, spec, lines), file, bounds)
 
 
 def parquet_raw(path: str, spec: ReadSpec, rows: Iterable[int]) -> dict[int, str]:
@@ -581,6 +712,8 @@ def parquet_raw(path: str, spec: ReadSpec, rows: Iterable[int]) -> dict[int, str
 TALLY = "tally"
 TIME_RANGE = "time_range"
 INPUT_ROWS = "input_rows"  # as in beam_jobs.stats
+INPUT_LINES = "input_lines"  # as in beam_jobs.stats
+LINES_KEY = "lines:"  # header, blank, continuation lines, as in beam_jobs.stats
 
 
 class _ReadAndValidate(beam.DoFn):
@@ -619,7 +752,8 @@ class _ReadAndValidate(beam.DoFn):
         rows = 0
         low: int | None = None
         high: int | None = None
-        for out in read_batches(path, file, self._spec, self._bounds):
+        lines = LineCount()
+        for out in read_batches(path, file, self._spec, self._bounds, lines):
             if isinstance(out, dict):
                 rows += 1
                 yield beam.pvalue.TaggedOutput(REJECTED, out)
@@ -638,6 +772,9 @@ class _ReadAndValidate(beam.DoFn):
         if spill is not None:
             yield from spill.close()
         yield beam.pvalue.TaggedOutput(TALLY, (INPUT_ROWS, rows))
+        yield beam.pvalue.TaggedOutput(TALLY, (INPUT_LINES, lines.data))
+        for kind in ("header", "blank", "continuation"):
+            yield beam.pvalue.TaggedOutput(TALLY, (LINES_KEY + kind, getattr(lines, kind)))
         yield beam.pvalue.TaggedOutput(TIME_RANGE, (low, high))
 
 

@@ -10,10 +10,12 @@ import gzip
 import json
 import zlib
 from collections import deque
+from collections.abc import Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 import apache_beam as beam
+from apache_beam.typehints import no_annotations
 
 from beam_jobs.records import Rejection
 
@@ -21,7 +23,6 @@ TFRECORD_SUFFIX = ".tfrecord.gz"
 REJECTED_DIR = "rejected"
 REJECTED_PREFIX = "rejected"
 REJECTED_SUFFIX = ".jsonl"
-SHARD_TEMPLATE = "-SSSSS-of-NNNNN"
 
 
 def shard_of(user_id: str, num_shards: int) -> int:
@@ -81,19 +82,45 @@ def to_json_line(record: Rejection) -> str:
     return json.dumps(record, ensure_ascii=False)
 
 
-class WriteRejected(beam.PTransform):
-    """Rejections -> `rejected/rejected-SSSSS-of-NNNNN.jsonl` (at least one file, maybe empty)."""
+def rejection_shard(record: Rejection, num_shards: int) -> int:
+    """The rejected-rows file of a record: crc32 of its file and row (stable across processes)."""
+    return zlib.crc32(f"{record['file']}\0{record['row']}".encode()) % num_shards
 
-    def __init__(self, out_dir: str) -> None:
+
+def _write_rejected(element: tuple[int, Iterable[str | None]], prefix: str, num_shards: int) -> str:
+    """One file of JSON lines sorted as text: the same records give the same bytes."""
+    shard, lines = element
+    path = f"{prefix}-{shard:05d}-of-{num_shards:05d}{REJECTED_SUFFIX}"
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "w", encoding="utf-8") as fh:
+        fh.writelines(f"{line}\n" for line in sorted(line for line in lines if line is not None))
+    return path
+
+
+class WriteRejected(beam.PTransform):
+    """Rejections -> `rejected/rejected-SSSSS-of-NNNNN.jsonl`, N files (empty when nothing was).
+
+    Each record goes to the file of its (file, row) hash, and each file's lines are sorted, so
+    the bytes do not depend on the runner's bundling or arrival order (WriteToText keeps
+    arrival order, and the Dask runner loses the outputs its file sink emits at bundle end).
+    """
+
+    def __init__(self, out_dir: str, num_shards: int = 1) -> None:
         super().__init__()
         self._prefix = f"{out_dir}/{REJECTED_DIR}/{REJECTED_PREFIX}"
+        self._shards = num_shards
 
+    @no_annotations  # Beam only understands PCollection-typed expand hints
     def expand(self, rejected: beam.PCollection) -> beam.PCollection:
+        n = self._shards
+        keyed = rejected | "ToJson" >> beam.Map(
+            lambda record: (rejection_shard(record, n), to_json_line(record))
+        )
+        # Every file exists, even without a record: one empty marker per shard.
+        every = rejected.pipeline | "EveryShard" >> beam.Create([(i, None) for i in range(n)])
         return (
-            rejected
-            | "ToJson" >> beam.Map(to_json_line)
-            | "Write"
-            >> beam.io.WriteToText(
-                self._prefix, file_name_suffix=REJECTED_SUFFIX, shard_name_template=SHARD_TEMPLATE
-            )
+            (keyed, every)
+            | "WithEveryShard" >> beam.Flatten()
+            | "ByShard" >> beam.GroupByKey()
+            | "Write" >> beam.Map(_write_rejected, self._prefix, n)
         )

@@ -1,8 +1,9 @@
-"""stats.json: counts that reconcile every input row, and the run's data fingerprint.
+"""stats.json: counts that reconcile every input line and row, and the run's data fingerprint.
 
-`input_rows` is counted where rows leave the readers and the other counts where they leave the
-pipeline, independently, so `input_rows == train + validation + test + rejected` is a real
-check that no row was lost or doubled, not an identity.
+`input_lines` is counted per physical line as the files are read, `input_rows` where rows
+leave the readers, and the other counts where they leave the pipeline, independently, so
+`input_lines == input_rows == train + validation + test + rejected + duplicates` is a real
+check that no line was swallowed, lost or doubled, not an identity.
 """
 
 import datetime as dt
@@ -20,11 +21,15 @@ from apache_beam.typehints import no_annotations
 from beam_jobs import records as r
 from beam_jobs.inputs import InputFile
 from beam_jobs.vocab import ITEM_FEATURES_FILE, ITEMS_FILE, VOCAB_DIR
+from recsys.core.errors import StageFailedError
 from recsys.core.layout import DataFile
 from recsys.core.schema import SPLITS
 
 STATS_FILE = DataFile.STATS
 INPUT_ROWS = "input_rows"
+INPUT_LINES = "input_lines"
+LINES_KEY = "lines:"
+LINE_KINDS = ("header", "blank", "continuation")
 SPLIT_KEY = "split:"
 REJECTED_KEY = "rejected:"
 
@@ -35,6 +40,7 @@ READ_REASONS = frozenset(
         r.MISSING_COLUMN,
         r.WRONG_COLUMN_COUNT,
         r.MALFORMED_ROW,
+        r.UNBALANCED_QUOTE,
         r.UNDECODABLE,
         r.UNREADABLE_FILE,
         r.EXCLUDED_EVENT_TYPE,
@@ -54,7 +60,7 @@ VALIDATION_REASONS = frozenset(
 TOP_SHARE = 0.01  # popularity concentration: share of train interactions of the top 1% of items
 
 
-class ReconciliationError(RuntimeError):
+class ReconciliationError(StageFailedError):
     """The counts in stats.json do not add up: a bug in the pipeline, not in the data."""
 
 
@@ -115,21 +121,29 @@ def assemble_stats(
         for key, n in sorted(counts.items())
         if key.startswith(REJECTED_KEY)
     }
+    # Duplicates are dead-lettered like rejections but are not bad data: counted apart.
+    duplicates = by_reason.pop(r.DUPLICATE, 0)
     input_rows = counts.get(INPUT_ROWS, 0)
+    input_lines = counts.get(INPUT_LINES, 0)
     rejected = sum(by_reason.values())
     after_read = input_rows - sum(n for k, n in by_reason.items() if k in READ_REASONS)
     after_validation = after_read - sum(n for k, n in by_reason.items() if k in VALIDATION_REASONS)
     stats: dict[str, Any] = {
         "run_date": run_date.isoformat(),
+        "input_lines": input_lines,
+        "lines": {kind: counts.get(LINES_KEY + kind, 0) for kind in LINE_KINDS},
         "input_rows": input_rows,
         "accepted": sum(splits.values()),
         "rejected": rejected,
-        "rejected_fraction": rejected / input_rows if input_rows else 0.0,
+        "rejected_fraction": rejected / input_lines if input_lines else 0.0,
         "rejected_by_reason": by_reason,
+        "duplicates": duplicates,
+        "duplicate_fraction": duplicates / input_lines if input_lines else 0.0,
         "stages": {
             "read": input_rows,
             "parsed": after_read,
             "validated": after_validation,
+            "unique": after_validation - duplicates,
             "accepted": sum(splits.values()),
         },
         "splits": splits,
@@ -153,14 +167,21 @@ def fingerprint(stats: dict[str, Any]) -> str:
 
 
 def check_reconciled(stats: dict[str, Any]) -> None:
-    """Raise ReconciliationError unless input_rows == train + validation + test + rejected."""
-    used = sum(stats["splits"].values()) + stats["rejected"]
-    if stats["input_rows"] != used:
-        raise ReconciliationError(
-            f"stats do not reconcile: input_rows={stats['input_rows']} but splits "
-            f"{stats['splits']} + rejected {stats['rejected']} = {used}; this is a bug in "
-            "beam_jobs, please report it with the input that triggers it"
-        )
+    """Raise ReconciliationError unless every data line and every row read is accounted for.
+
+    input_lines (physical lines, counted as read) == accepted + rejected + duplicates, and
+    input_rows (rows leaving the readers) == train + validation + test + rejected + duplicates.
+    """
+    used = sum(stats["splits"].values()) + stats["rejected"] + stats["duplicates"]
+    for key in (INPUT_LINES, INPUT_ROWS):
+        if stats[key] != used:
+            raise ReconciliationError(
+                f"stats do not reconcile: {key}={stats[key]} but accepted "
+                f"{stats['accepted']} (splits {stats['splits']}) + rejected "
+                f"{stats['rejected']} + duplicates {stats['duplicates']} = {used}: "
+                f"{abs(stats[key] - used)} line(s) not accounted for; nothing was published. "
+                "This is a bug in beam_jobs: please report it with the input that triggers it"
+            )
 
 
 def write_stats(_: Any, out_dir: str, **parts: Any) -> dict[str, Any]:

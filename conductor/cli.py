@@ -9,7 +9,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from recsys.core.config import load_config
-from recsys.core.errors import RecsysError
+from recsys.core.errors import ACCESS_ERRNOS, RecsysError, StorageError, storage_errno
 from recsys.core.layout import STAGES, parse_date
 from recsys.core.redact import install_log_redaction, redact_text
 
@@ -176,6 +176,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("recsys: interrupted", file=sys.stderr)
         return 130
+    except OSError as exc:
+        # A disk or permission failure outside a stage (the lock file, the default paths).
+        if storage_errno(exc) is None and exc.errno not in ACCESS_ERRNOS:
+            raise
+        error = StorageError(
+            f"{exc.strerror or exc}{f': {exc.filename}' if exc.filename else ''}; free space "
+            "or fix the volume's permissions, then rerun the same command"
+        )
+        print(f"recsys: error: {redact_text(str(error))}", file=sys.stderr)
+        return error.exit_code
 
 
 if __name__ == "__main__":

@@ -20,7 +20,7 @@ from recsys.ab import workflow as ab_workflow
 from recsys.ab.planning import format_plan, plan
 from recsys.core.config import REPO_CONFIGS, RecsysConfig
 from recsys.core.errors import ConfigError
-from recsys.core.layout import SUCCESS, DataFile, RunFile, parse_date
+from recsys.core.layout import SUCCESS, DataFile, RunFile, clean_temporaries, parse_date
 from recsys.tracking.compare import compare, format_table
 from recsys.tracking.runs import record_ab_metric
 from recsys.training.trainer import is_chief
@@ -32,7 +32,8 @@ _WRITERS = {"preprocess", "train", "evaluate", "export", "sync", "tune"}
 
 def dispatch(args: argparse.Namespace, config: RecsysConfig, date: dt.date) -> int:
     """Run the parsed subcommand under the working directory's lock when it writes there."""
-    workdir = stages.check_workdir(args.workdir)
+    writes = args.command in (*_WRITERS, "nightly", "backfill")
+    workdir = stages.check_workdir(args.workdir, writable=writes)
     if args.command in ("nightly", "backfill") and _non_chief_worker():
         raise ConfigError(
             "TF_CONFIG names this process a non-chief worker: run `recsys nightly` on the "
@@ -41,6 +42,7 @@ def dispatch(args: argparse.Namespace, config: RecsysConfig, date: dt.date) -> i
     # A non-chief multi-worker `train` writes nothing here, and must not wait for the chief.
     if args.command in _WRITERS and not (args.command == "train" and _non_chief_worker()):
         with WorkdirLock(workdir.root, command=f"recsys {args.command}"):
+            clean_temporaries(workdir.root)  # what a killed command left (as nightly does)
             return _run_stage(args, config, workdir, date)
     return _run_stage(args, config, workdir, date)
 

@@ -16,7 +16,6 @@ holds the working directory's lock (conductor.lock).
 from __future__ import annotations
 
 import datetime as dt
-import errno
 import hashlib
 import json
 import logging
@@ -33,7 +32,14 @@ from conductor.lock import WorkdirLock
 from conductor.progress import KerasProgress
 from conductor.promotion import device_layout, publish_run
 from recsys.core.config import RecsysConfig
-from recsys.core.errors import ConfigError, RecsysError, StageFailedError, StorageError
+from recsys.core.errors import (
+    STORAGE_ERRNOS,
+    ConfigError,
+    RecsysError,
+    StageFailedError,
+    StorageError,
+    storage_errno,
+)
 from recsys.core.faults import fault_point
 from recsys.core.layout import (
     STAGES,
@@ -50,14 +56,13 @@ from recsys.core.layout import (
 )
 from recsys.tracking import registry
 from recsys.tracking.runs import connect, log_file_redacted
+from serving_export.integrity import check_serving
 
 log = logging.getLogger(__name__)
 
 RUN_KEY = RunFile.NIGHTLY
 SUMMARY = RunFile.SUMMARY
 CHAMPION_FILE = WorkdirFile.CHAMPION
-# errno values that mean "the disk, not the program": reported as StorageError (exit 9).
-_STORAGE_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EIO}
 
 
 @dataclass
@@ -179,6 +184,8 @@ class _Nightly:
         ):
             self._stage(name, redo, action)
         result = NightlyResult(self.date, data_dir, run_dir, self.outcomes)
+        # Every night, done or not: what TF Serving loads must be what was published.
+        check_serving(self.workdir.root)
         if result.already_done:
             log.info("nightly %s: every stage was already done; nothing to do", self.date)
             result.summary_path = run_dir / SUMMARY
@@ -222,7 +229,7 @@ class _Nightly:
         except RecsysError:
             raise
         except OSError as exc:
-            if exc.errno in _STORAGE_ERRNOS:
+            if exc.errno in STORAGE_ERRNOS:
                 raise _storage_error(name, exc) from None
             raise _failed(name, exc) from exc
         except Exception as exc:
@@ -367,11 +374,8 @@ def _storage_error(stage: str, exc: OSError) -> StorageError:
 
 def _storage_in_message(stage: str, exc: Exception) -> StorageError | None:
     """TensorFlow reports a full disk as its own error types; recognise them by message."""
-    text = str(exc)
-    for code in _STORAGE_ERRNOS:
-        if errno.errorcode.get(code, "?") in text or (text and os.strerror(code) in text):
-            return _storage_error(stage, OSError(code, os.strerror(code)))
-    return None
+    code = storage_errno(exc)
+    return None if code is None else _storage_error(stage, OSError(code, os.strerror(code)))
 
 
 # -- champion record and retention --------------------------------------------------------------

@@ -230,7 +230,8 @@ def _gate_against(
     force: bool,
 ) -> gate.GateDecision:
     """Evaluate the champion on today's test split and gate the challenger against it."""
-    with tempfile.TemporaryDirectory(prefix="recsys-champion-") as tmp:
+    # Under the workdir, where the next run removes what a killed one left (clean_temporaries).
+    with tempfile.TemporaryDirectory(prefix=".tmp-recsys-champion-", dir=run_dir.parent) as tmp:
         model_dir = _champion_model(client, champion.run_id, Path(tmp))
         if model_dir is None:
             reason = (

@@ -13,6 +13,7 @@ import json
 import logging
 import os
 import shutil
+import tempfile
 import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -28,7 +29,7 @@ from beam_jobs.pipeline import run_preprocess
 from conductor.promotion import pending_runs, publish_run
 from recsys import evaluation as ev
 from recsys.core.config import ItemsConfig, RecsysConfig, parse_config
-from recsys.core.errors import ConfigError, DataError
+from recsys.core.errors import ConfigError, DataError, StorageError
 from recsys.core.faults import fault_point
 from recsys.core.layout import (
     DataFile,
@@ -38,6 +39,7 @@ from recsys.core.layout import (
     mark_complete,
     new_run_id,
     next_version,
+    replace_dir,
     require_complete,
 )
 from recsys.core.redact import redact_tree
@@ -47,6 +49,12 @@ from recsys.synthetic import items_path, write_csv, write_items_csv
 from recsys.training.trainer import is_chief, write_dir
 from recsys.training.trainer import train as fit
 from serving_export.activity import read_activity
+from serving_export.integrity import (
+    check_serving,
+    record_checksums,
+    record_path,
+    version_problems,
+)
 from serving_export.publish import finish_publish, publish_dir, stage_embeddings
 from serving_export.savedmodels import export_savedmodels
 from serving_export.verify import verify_export
@@ -120,6 +128,7 @@ def train(
     # Under MultiWorkerMirroredStrategy every worker runs this; only the chief owns the run
     # folder (workers' run ids would differ), the others train in step and keep nothing.
     chief = is_chief()
+    created = run_dir is None  # a folder given by the caller (the nightly's) is reused
     run_dir = run_dir or workdir.run(date, new_run_id(config.digest()))
     if chief:
         run_dir.mkdir(parents=True, exist_ok=True)
@@ -128,7 +137,13 @@ def train(
     backup = workdir.runs(date) / f".backup-{config.digest()}"
     try:
         result = fit(config, data_dir, backup_dir=backup, callbacks=list(callbacks))
-    except Exception as exc:
+    except BaseException as exc:
+        if created:
+            # Nothing was written into it yet (the checkpoints live in `backup`): a failed
+            # run leaves no empty run folder behind, and the rerun resumes from `backup`.
+            shutil.rmtree(run_dir, ignore_errors=True)
+        if not isinstance(exc, Exception):
+            raise
         corrupt = _corrupt_shard_error(data_dir, exc)
         if corrupt is not None:
             raise corrupt from None
@@ -275,12 +290,10 @@ def export(
         for name, path in staged.items():
             models[name] = workdir.export(name) / str(version)
             models[name].parent.mkdir(parents=True, exist_ok=True)
-            if models[name].exists():
-                # Published (verified) by this run before it was killed: the version is
-                # reserved for this run, so it is this very model; leave it as served.
-                log.info("export: %s already published, kept", models[name])
+            if keep_published(workdir.root / "export", name, version):
                 continue
-            os.replace(path, models[name])
+            replace_dir(path, models[name])
+            record_checksums(workdir.root / "export", name, version)
             fault_point("export:published-one")
     finally:
         shutil.rmtree(staging, ignore_errors=True)
@@ -304,7 +317,29 @@ def export(
             "verification": report,
         },
     )
+    if config.export.verify if verify is None else verify:
+        check_serving(workdir.root)  # what TF Serving loads, not only what was just staged
     return ExportResult(version, models, embeddings, report)
+
+
+def keep_published(export_root: Path, name: str, version: int) -> bool:
+    """True when export/<name>/<version> is already published intact (kept as served).
+
+    The version is reserved for this run, so a folder there was published (verified) by this
+    very run before a crash, or is being repaired: a broken one is replaced by the fresh,
+    verified copy; one without a record (a crash between rename and record) is recorded.
+    """
+    folder = export_root / name / str(version)
+    if not folder.exists():
+        return False
+    problems = version_problems(export_root, name, version)
+    if problems:
+        log.warning("export: %s is broken (%s): replaced", folder, "; ".join(problems))
+        return False
+    if not record_path(export_root, name, version).is_file():
+        record_checksums(export_root, name, version)
+    log.info("export: %s already published, kept", folder)
+    return True
 
 
 def _reserve_version(run_dir: Path, workdir: Workdir) -> int:
@@ -346,10 +381,26 @@ def _write_json(path: Path, payload: Any) -> None:
     tmp.replace(path)
 
 
-def check_workdir(path: str) -> Workdir:
-    """The working directory, created if missing; refuses a path that is a file."""
+def check_workdir(path: str, writable: bool = False) -> Workdir:
+    """The working directory, created if missing; refuses a file, and (writable) a folder
+    this process cannot write (StorageError, before any stage starts)."""
     root = Path(path).expanduser().resolve()
     if root.exists() and not root.is_dir():
         raise ConfigError(f"--workdir {path} exists and is not a directory")
-    root.mkdir(parents=True, exist_ok=True)
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+        if writable:
+            tempfile.TemporaryFile(dir=root, prefix=".write-probe-").close()
+    except OSError as exc:
+        raise workdir_storage_error(root, exc) from None
     return Workdir(root)
+
+
+def workdir_storage_error(root: Path, exc: OSError) -> StorageError:
+    """The one-line StorageError for a working directory that cannot be written."""
+    return StorageError(
+        f"--workdir {root} cannot be written ({exc.strerror or exc}"
+        f"{f': {exc.filename}' if exc.filename else ''}); nothing was changed. Make it "
+        f"writable for uid {os.getuid()} (e.g. `chown -R {os.getuid()} {root}`, or remount "
+        "it read-write) or pass another --workdir, then rerun the same command"
+    )

@@ -14,16 +14,24 @@ import numpy as np
 import tensorflow as tf
 
 from recsys.core import schema
-from recsys.core.errors import StageNotReadyError
+from recsys.core.errors import DataError, StageNotReadyError
 from recsys.model import PAD
 
 
 def split_files(data_dir: Path, split: str) -> list[str]:
     """The sorted shard files of one split; an error naming the folder if there are none."""
-    files = sorted(str(p) for p in data_dir.glob(f"{split}-*.tfrecord.gz"))
-    if not files:
+    paths = sorted(data_dir.glob(f"{split}-*.tfrecord.gz"))
+    if not paths:
         raise StageNotReadyError(f"no {split}-*.tfrecord.gz in {data_dir}: run `recsys preprocess`")
-    return files
+    # The writer's gzip files are never empty (a header even without records): 0 bytes is a
+    # truncated or lost file, bad input rather than a stage not yet run.
+    empty = next((p for p in paths if p.stat().st_size == 0), None)
+    if empty is not None:
+        raise DataError(
+            f"shard {empty} is empty (0 bytes): the data folder is damaged; redo it with "
+            "`recsys nightly --rerun-from preprocess` (or `recsys preprocess`)"
+        )
+    return [str(p) for p in paths]
 
 
 def read_examples(

@@ -24,6 +24,7 @@ from recsys.model import TrainedModel
 from serving_export.activity import Activity
 from serving_export.ann import build_ann
 from serving_export.embeddings import read_embeddings, write_item_embeddings, write_user_embeddings
+from serving_export.integrity import forget_checksums
 from serving_export.manifest import MANIFEST, write_manifest
 from serving_export.serving_config import read_version_labels, write_models_config
 
@@ -139,6 +140,8 @@ def finish_publish(
         name: prune_versions(Path(export_root) / name, config.keep_versions, protect)
         for name in names
     }
+    for name in names:
+        forget_checksums(export_root, name, pruned[name])
     pruned["embeddings"] = prune_versions(embeddings_root, config.keep_versions, protect)
     if any(pruned.values()):
         log.info("pruned old versions: %s", {k: v for k, v in pruned.items() if v})

@@ -28,6 +28,7 @@ from typing import Any
 import numpy as np
 import tensorflow as tf
 
+from recsys.core.children import die_with_parent
 from recsys.core.errors import ExportVerificationError
 from recsys.model import TrainedModel
 from serving_export import samples
@@ -169,7 +170,10 @@ def _run_fresh_process_checks(
 
     saved_model_cli runs concurrently with the child: each is mostly a TensorFlow import.
     """
-    with tempfile.TemporaryDirectory(prefix="recsys-verify-") as tmp:
+    # Scratch next to the exports (the staging folder), never in the system temp folder: a
+    # killed run leaves it where the next run removes it (recsys.core.layout.clean_temporaries).
+    beside = Path(os.path.commonpath([str(path.parent) for path in exported.values()]))
+    with tempfile.TemporaryDirectory(prefix=".tmp-recsys-verify-", dir=beside) as tmp:
         cli = {
             name: _start_cli(path, Path(tmp) / f"{name}.cli.txt") for name, path in exported.items()
         }
@@ -350,6 +354,7 @@ def _reload_in_fresh_process(
             text=True,
             timeout=RELOAD_TIMEOUT_S,
             check=False,
+            preexec_fn=die_with_parent(),
         )
     except subprocess.TimeoutExpired:
         raise ExportVerificationError(
@@ -376,6 +381,7 @@ def _start_cli(model_dir: Path, log: Path) -> tuple[subprocess.Popen, Path] | No
             stdout=out,
             stderr=subprocess.STDOUT,
             env=env,
+            preexec_fn=die_with_parent(),
         )
     return proc, log
 

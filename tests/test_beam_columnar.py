@@ -358,7 +358,7 @@ def test_parquet_split_stage_rejections_get_their_raw_values_back(tmp_path: Path
         (4, "duplicate"): {"user_id": "u1", "item_id": 1, "timestamp": CUTOFF - 100},
         (6, "unknown_item"): {"user_id": "u1", "item_id": 5, "timestamp": CUTOFF - 40},
     }
-    assert stats["input_rows"] == 7 == stats["accepted"] + stats["rejected"]
+    assert stats["input_rows"] == 7 == stats["accepted"] + stats["rejected"] + stats["duplicates"]
 
 
 def test_big_shards_in_several_passes_give_the_same_examples(
@@ -388,7 +388,7 @@ def test_big_shards_in_several_passes_give_the_same_examples(
     monkeypatch.setattr("beam_jobs.split.PASS_ROWS", 30)  # ~8 passes over the shard
     many = run_preprocess(config, log, tmp_path / "many", RUN_DATE)
     assert one["fingerprint"] == many["fingerprint"]
-    assert one["rejected_by_reason"]["duplicate"] == 5
+    assert one["duplicates"] == 5
     assert examples(tmp_path / "one") == examples(tmp_path / "many")
     # Passes did happen: users come by bucket range, then id, so the file order differs.
     name = "train-00000-of-00001.tfrecord.gz"

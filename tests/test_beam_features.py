@@ -160,7 +160,13 @@ def test_time_window_min_counts_and_vocab_min_count(tmp_path: Path) -> None:
     # i0 and i1 are in train 3 times each (>= 3); users have 2 train rows (< 3): no user vocab.
     assert (out / "vocab" / "items.txt").read_text().split() == ["i0", "i1"]
     assert (out / "vocab" / "users.txt").read_text() == ""
-    assert stats["stages"] == {"read": 14, "parsed": 14, "validated": 14, "accepted": 12}
+    assert stats["stages"] == {
+        "read": 14,
+        "parsed": 14,
+        "validated": 14,
+        "unique": 14,
+        "accepted": 12,
+    }
 
 
 # --- stats drift -----------------------------------------------------------------------------

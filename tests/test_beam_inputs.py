@@ -92,7 +92,8 @@ def test_parquet_folder_of_two_files_rejects_the_later_duplicate(tmp_path: Path)
         "part-0.parquet",
         "part-1.parquet",
     ]
-    assert stats["input_rows"] == 11 == sum(stats["splits"].values()) + stats["rejected"]
+    used = sum(stats["splits"].values()) + stats["rejected"] + stats["duplicates"]
+    assert stats["input_rows"] == stats["input_lines"] == 11 == used
     assert {(Path(r["file"]).name, r["row"], r["reason"]) for r in rejected(out)} == {
         ("part-1.parquet", 4, "duplicate"),
         ("part-1.parquet", 5, "after_run_date"),

@@ -88,12 +88,12 @@ def split_rows(out: Path, split: str) -> set[Row]:
 
 
 def output_bytes(out: Path) -> dict[str, bytes]:
-    """Every data file's bytes (stats.json holds paths, _SUCCESS nothing; rejected may reorder)."""
+    """Every data file's bytes (stats.json holds paths, _SUCCESS nothing)."""
     skip = {"stats.json", SUCCESS}
     return {
         str(p.relative_to(out)): p.read_bytes()
         for p in sorted(out.rglob("*"))
-        if p.is_file() and p.name not in skip and p.parent.name != "rejected"
+        if p.is_file() and p.name not in skip
     }
 
 
@@ -103,8 +103,9 @@ def test_output_layout_and_shards(run: tuple) -> None:
     shards = {f"{s}-{i:05d}-of-{SHARDS:05d}.tfrecord.gz" for s in SPLITS for i in range(SHARDS)}
     assert names == shards | {"vocab", "rejected", "item_features.parquet", "stats.json", SUCCESS}
     assert sorted(p.name for p in (out / "vocab").iterdir()) == ["items.txt", "users.txt"]
-    assert [p.name for p in (out / "rejected").iterdir()] == ["rejected-00000-of-00001.jsonl"]
-    assert (out / "rejected" / "rejected-00000-of-00001.jsonl").read_text() == ""
+    rejected = [f"rejected-{i:05d}-of-{SHARDS:05d}.jsonl" for i in range(SHARDS)]
+    assert sorted(p.name for p in (out / "rejected").iterdir()) == rejected
+    assert all((out / "rejected" / name).read_text() == "" for name in rejected)
     # Nothing left behind: no temporary sibling folders, no Beam temp folders.
     assert [p.name for p in out.parent.iterdir()] == [out.name]
     newest = max(p.stat().st_mtime_ns for p in out.rglob("*") if p.name != SUCCESS)

@@ -140,6 +140,7 @@ def test_pipeline_counts_reconcile_on_messy_input(tmp_path: Path, lines: list[st
         stats = run_preprocess(config, path, out, RUN_DATE)
     except DataError:
         stats = json.loads((out / "stats.json").read_text())
-    assert stats["input_rows"] == sum(stats["splits"].values()) + stats["rejected"]
+    used = sum(stats["splits"].values()) + stats["rejected"] + stats["duplicates"]
+    assert stats["input_rows"] == stats["input_lines"] == used
     written = sum(1 for f in (out / "rejected").glob("*.jsonl") for _ in f.open())
-    assert written == stats["rejected"]
+    assert written == stats["rejected"] + stats["duplicates"]

@@ -86,10 +86,12 @@ def test_duplicate_keeps_the_first_row(tolerant_run: tuple[Path, Path, dict]) ->
 
 def test_counts_reconcile(tolerant_run: tuple[Path, Path, dict]) -> None:
     _, out, stats = tolerant_run
-    assert stats["input_rows"] == len(LINES)
-    assert stats["rejected"] == len(REASONS)
-    assert stats["input_rows"] == sum(stats["splits"].values()) + stats["rejected"]
-    assert stats["rejected_by_reason"] == {reason: 1 for _, reason, _ in REASONS}
+    assert stats["input_rows"] == stats["input_lines"] == len(LINES)
+    assert stats["rejected"] + stats["duplicates"] == len(REASONS) and stats["duplicates"] == 1
+    used = sum(stats["splits"].values()) + stats["rejected"] + stats["duplicates"]
+    assert stats["input_lines"] == used
+    reasons = {reason: 1 for _, reason, _ in REASONS if reason != "duplicate"}
+    assert stats["rejected_by_reason"] == reasons
     # u1 keeps 5 rows (>= 5): the last two are validation and test; u2's one row is train.
     assert stats["splits"] == {"train": 4, "validation": 1, "test": 1}
     assert stats["max_timestamp"] == T + 86399
@@ -101,13 +103,13 @@ def test_too_many_rejections_publish_without_success(tmp_path: Path) -> None:
     with pytest.raises(DataError) as info:
         run_preprocess(csv_config(0.25), path, out, RUN_DATE)
     message = str(info.value)
-    fraction = len(REASONS) / len(LINES)
+    fraction = (len(REASONS) - 1) / len(LINES)  # the duplicate is not a rejection
     top = "top reasons: after_run_date: 1, bad_timestamp: 1, bad_weight: 1;"  # ties: by name
     for part in (f"{fraction:.2%}", "25.00%", top, str(out / "rejected")):
         assert part in message
     assert not (out / SUCCESS).exists()
     assert len(rejected_records(out)) == len(REASONS)
-    assert json.loads((out / "stats.json").read_text())["rejected"] == len(REASONS)
+    assert json.loads((out / "stats.json").read_text())["rejected"] == len(REASONS) - 1
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out", "raw"]  # no temp folders
 
 

@@ -18,7 +18,7 @@ from beam_jobs.split import dedupe, split_names
 from beam_jobs.stats import ReconciliationError, assemble_stats, check_reconciled, fingerprint
 from beam_jobs.validation import InvalidValue, parse_id, parse_timestamp, parse_weight, validate
 from beam_jobs.vocab import ranked
-from recsys.core.config import DataConfig
+from recsys.core.config import DataConfig, PreprocessConfig
 from recsys.core.errors import ConfigError, DataError
 
 CSV_SPEC = ReadSpec("delimited", "user_id", "item_id", "timestamp", "weight", False)
@@ -198,14 +198,24 @@ def test_read_delimited_keeps_physical_line_numbers_and_raw_text(tmp_path: Path)
         b"u4,i4\n"
         b"u5,i5,500\r\n"
     )
-    out = list(read_delimited(str(path), CSV_SPEC))
     f = str(path)
-    assert out == [
-        (f, 2, ("u1", "i1", "100", None), "u1,i1,100"),
-        (f, 4, ("u2", "multi\nline", "200", None), 'u2,"multi\nline",200'),
+    rest = [
         r.rejection(f, 6, None, r.UNDECODABLE, "u3,\\xff\\xfe,300"),
         r.rejection(f, 7, None, r.WRONG_COLUMN_COUNT, "u4,i4"),
         (f, 8, ("u5", "i5", "500", None), "u5,i5,500"),
+    ]
+    # Line-oriented (the default): the quote left open costs its own line only.
+    assert list(read_delimited(str(path), CSV_SPEC)) == [
+        (f, 2, ("u1", "i1", "100", None), "u1,i1,100"),
+        r.rejection(f, 4, None, r.UNBALANCED_QUOTE, 'u2,"multi'),
+        r.rejection(f, 5, None, r.WRONG_COLUMN_COUNT, 'line",200'),
+        *rest,
+    ]
+    multiline = ReadSpec(**{**CSV_SPEC.__dict__, "multiline": True})
+    assert list(read_delimited(str(path), multiline)) == [
+        (f, 2, ("u1", "i1", "100", None), "u1,i1,100"),
+        (f, 4, ("u2", "multi\nline", "200", None), 'u2,"multi\nline",200'),
+        *rest,
     ]
 
 
@@ -271,7 +281,8 @@ def test_read_parquet_bad_files_are_rejections(tmp_path: Path) -> None:
 
 
 def _stats(**counts: int) -> dict:
-    tallies = {"input_rows": 10, "split:train": 6, "split:validation": 1, "split:test": 1}
+    tallies = {"input_rows": 10, "input_lines": 10}
+    tallies |= {"split:train": 6, "split:validation": 1, "split:test": 1}
     tallies |= {"rejected:bad_timestamp": 1, "rejected:duplicate": 1} | counts
     files = [InputFile("/data/b.csv", 7), InputFile("/data/a.csv", 5)]
     return assemble_stats(tallies, (1, 9), 3, 4, dt.date(2026, 1, 5), files)
@@ -279,21 +290,29 @@ def _stats(**counts: int) -> dict:
 
 def test_stats_reconcile_and_fingerprint_is_stable() -> None:
     stats = _stats()
-    assert stats["rejected"] == 2 and stats["accepted"] == 8 and stats["eval_users"] == 1
-    assert stats["rejected_by_reason"] == {"bad_timestamp": 1, "duplicate": 1}
+    assert stats["rejected"] == 1 and stats["accepted"] == 8 and stats["eval_users"] == 1
+    assert stats["rejected_by_reason"] == {"bad_timestamp": 1} and stats["duplicates"] == 1
     check_reconciled(stats)
     assert stats["fingerprint"] == _stats()["fingerprint"] == fingerprint(stats)
     assert stats["fingerprint"] != _stats(**{"split:train": 5, "input_rows": 9})["fingerprint"]
     with pytest.raises(ReconciliationError, match="input_rows=11"):
         check_reconciled(_stats(input_rows=11))
+    with pytest.raises(ReconciliationError, match="input_lines=12"):
+        check_reconciled(_stats(input_lines=12))
 
 
 def test_quality_failure_messages(tmp_path: Path) -> None:
-    stats = _stats()
-    assert quality_failure(stats, 0.2, tmp_path) is None
-    error = quality_failure(stats, 0.1, tmp_path)
+    stats = _stats(**{"rejected:bad_id": 1, "input_rows": 11, "input_lines": 11})
+
+    def limits(rejected: float, duplicates: float = 0.5) -> PreprocessConfig:
+        return PreprocessConfig(max_rejected_fraction=rejected, max_duplicate_fraction=duplicates)
+
+    assert quality_failure(stats, limits(0.2), tmp_path) is None
+    error = quality_failure(stats, limits(0.1), tmp_path)
     assert isinstance(error, DataError)
-    for part in ("20.00%", "10.00%", "bad_timestamp: 1", str(tmp_path / "rejected")):
+    for part in ("18.18%", "10.00%", "bad_timestamp: 1", str(tmp_path / "rejected")):
         assert part in str(error)
+    error = quality_failure(stats, limits(0.2, 0.05), tmp_path)
+    assert "1 of 11 input lines are exact duplicates (9.09%)" in str(error)
     empty = assemble_stats({}, (None, None), 0, 0, dt.date(2026, 1, 5), [])
-    assert "no usable interactions" in str(quality_failure(empty, 0.1, tmp_path))
+    assert "no usable interactions" in str(quality_failure(empty, limits(0.1), tmp_path))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 import textwrap
@@ -200,3 +201,25 @@ def test_stages_run_one_by_one(tmp_path: Path) -> None:
     exported = recsys("export", *common, "--verify")
     assert "verified" in exported.stdout
     assert (tmp_path / "w" / "export" / "retrieval" / "1" / "saved_model.pb").is_file()
+
+
+def test_a_nightly_checks_what_tf_serving_loads(nightly: tuple[Path, str], tmp_path: Path) -> None:
+    # The case: a champion file deleted after publishing; the next nightly (here:
+    # already done) used to say nothing and exit 0.
+    import shutil
+
+    work = tmp_path / "work"
+    shutil.copytree(nightly[0], work, symlinks=True)
+    (work / "export" / "query" / "1" / "saved_model.pb").unlink()
+    config = tmp_path / "small.yaml"
+    config.write_text(yaml.safe_dump(SMALL))
+    args = ["nightly", "--config", str(config), "--workdir", str(work), "--date", SMALL_DATE]
+    proc = subprocess.run(
+        [sys.executable, "-m", "conductor.cli", *args], capture_output=True, text=True, timeout=900
+    )
+    assert proc.returncode == 11, proc.stderr[-3000:]
+    assert re.search(r"query/1 \([a-z, ]*champion[a-z, ]*\): saved_model.pb missing", proc.stderr)
+    assert "Traceback" not in proc.stderr
+    fix = proc.stderr.split("`recsys export ")[1].split("`")[0].split()
+    recsys("export", "--config", str(config), *fix)  # the named command repairs it
+    assert "already done" in recsys(*args).stdout

@@ -7,7 +7,7 @@ import hashlib
 import json
 import re
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
@@ -17,8 +17,21 @@ from recsys.core.redact import redact_tree
 
 REPO_CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 
+# Upper bounds of sizes and counts: far above any real run on one machine or cluster, low
+# enough that a typo (an extra zero, `1e9`) is a config error and not a stage that allocates
+# for minutes and dies. Training also checks its estimated memory (recsys.training.memory).
+MAX_ROWS = 10**9  # users, items, interactions, shuffle buffers
+MAX_DIM = 8192  # embedding and hidden layer widths
+MAX_BATCH = 1 << 20
+MAX_K = 10_000  # top-K cut-offs
+MAX_COUNT = 100_000  # epochs, shards, patience, list lengths and similar counts
+MAX_SEED = 2**32 - 1
+MAX_SYNTHETIC_ROWS = 100_000_000  # the embedded demo log is written as one CSV
+MAX_CONFIG_DEPTH = 20  # nesting levels of the YAML; the schema itself needs 4
+
 # One folder/file name (or an MLflow name that tools may turn into one): no separators, no
 # leading dot (hidden files, '.', '..'), nothing a shell or a URL would treat specially.
+_NUMBER_LIKE = re.compile(r"[0-9eE.+_-]{1,40}")
 _SAFE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,99}$")
 
 
@@ -128,15 +141,15 @@ class UsersConfig(_Strict):
 class SyntheticConfig(_Strict):
     """The embedded default data: a deterministic log with latent tastes and power-law items."""
 
-    num_users: int = Field(2000, ge=10)
-    num_items: int = Field(1000, ge=10)
-    latent_dim: int = Field(8, ge=1)
-    mean_interactions_per_user: float = Field(20.0, gt=1)
-    popularity_exponent: float = Field(1.0, ge=0)
-    taste_strength: float = Field(3.0, ge=0)
+    num_users: int = Field(2000, ge=10, le=100_000_000)
+    num_items: int = Field(1000, ge=10, le=100_000_000)
+    latent_dim: int = Field(8, ge=1, le=1024)
+    mean_interactions_per_user: float = Field(20.0, gt=1, le=100_000)
+    popularity_exponent: float = Field(1.0, ge=0, le=10)
+    taste_strength: float = Field(3.0, ge=0, le=1000)
     start_date: str = "2026-01-01"
-    days: int = Field(14, ge=1)
-    seed: int = 7
+    days: int = Field(14, ge=1, le=36_500)
+    seed: int = Field(7, ge=0, le=MAX_SEED)
     item_features: bool = True
 
     @field_validator("start_date")
@@ -148,6 +161,17 @@ class SyntheticConfig(_Strict):
         except ValueError:
             raise ValueError(f"must be a date YYYY-MM-DD, got {value!r}") from None
         return value
+
+    @model_validator(mode="after")
+    def _writable_size(self) -> SyntheticConfig:
+        rows = self.num_users * self.mean_interactions_per_user
+        if rows > MAX_SYNTHETIC_ROWS:
+            raise ValueError(
+                f"num_users {self.num_users} x mean_interactions_per_user "
+                f"{self.mean_interactions_per_user:g} = {rows:,.0f} interactions, above the "
+                f"{MAX_SYNTHETIC_ROWS:,} the synthetic generator writes; lower num_users"
+            )
+        return self
 
 
 class DataConfig(_Strict):
@@ -168,6 +192,9 @@ class DataConfig(_Strict):
     header: bool = True
     columns: ColumnMap = ColumnMap()
     timestamp_unit: Literal["s", "ms"] = "s"
+    # Interaction logs are line-oriented: a quoted field may span lines only when this is set
+    # (otherwise one stray quote would swallow every line up to the next quote).
+    multiline_fields: bool = False
     event_types: list[str] | None = None
     items: ItemsConfig | None = None
     users: UsersConfig | None = None
@@ -188,62 +215,86 @@ class DataConfig(_Strict):
 class PreprocessConfig(_Strict):
     """Beam job settings: split protocol, sharding, runner options."""
 
-    min_user_interactions: int = Field(5, ge=3)
-    num_shards: int = Field(1, ge=1)
+    min_user_interactions: int = Field(5, ge=3, le=MAX_COUNT)
+    num_shards: int = Field(1, ge=1, le=4096)
     max_rejected_fraction: float = Field(0.01, ge=0, le=1)
+    # Exact repeats of a valid interaction (at-least-once delivery) are not bad rows: they are
+    # dropped and held to their own limit.
+    max_duplicate_fraction: float = Field(0.5, ge=0, le=1)
     beam_args: list[str] = []
-    history_length: int = Field(20, ge=0)
+    history_length: int = Field(20, ge=0, le=MAX_K)
     split: Literal["leave_last_out", "time_window"] = "leave_last_out"
-    eval_days: int = Field(1, ge=1)
-    min_user_count: int = Field(0, ge=0)
-    min_item_count: int = Field(0, ge=0)
-    vocab_min_count: int = Field(1, ge=1)
+    eval_days: int = Field(1, ge=1, le=36_500)
+    min_user_count: int = Field(0, ge=0, le=MAX_ROWS)
+    min_item_count: int = Field(0, ge=0, le=MAX_ROWS)
+    vocab_min_count: int = Field(1, ge=1, le=MAX_ROWS)
     # Lower timestamp bound: older rows are rejected `before_min_timestamp`. An ISO date/time
     # (naive = UTC) or epoch seconds; max_age_days counts back from the end of the run date.
     min_timestamp: int | str | None = None
-    max_age_days: int | None = Field(None, ge=1)
+    max_age_days: int | None = Field(None, ge=1, le=36_500)
     # How the shard batches reach the split: "files" spills them (compressed Arrow) under the
     # output's temporary folder and shuffles only their paths, so memory stays flat with the
     # in-process runner; "beam" sends the batches through the runner's own shuffle.
     shuffle: Literal["files", "beam"] = "files"
+    # Where the job runs (docs/PREPROCESSING.md "Runners"): direct = in this process; dask =
+    # a dask.distributed cluster at runner_address (none: a local one, a worker per core);
+    # dataflow / flink / spark = Beam's runners, configured further through beam_args.
+    runner: Literal["direct", "dask", "dataflow", "flink", "spark"] = "direct"
+    # The cluster: a Dask scheduler (tcp://host:8786), a Flink master (host:8081), a Spark
+    # master URL (spark://host:7077). Not used by direct and dataflow.
+    runner_address: str | None = None
+
+    @model_validator(mode="after")
+    def _one_runner(self) -> PreprocessConfig:
+        if self.runner_address and self.runner in ("direct", "dataflow"):
+            raise ValueError(
+                f"preprocess.runner_address is for dask, flink or spark, not {self.runner!r}"
+                " (Dataflow takes --project and --region in beam_args)"
+            )
+        if self.runner != "direct" and any(a.startswith("--runner") for a in self.beam_args):
+            raise ValueError(
+                f"preprocess.beam_args names a --runner while preprocess.runner is "
+                f"{self.runner!r}: set the runner in one place"
+            )
+        return self
 
 
 class ModelConfig(_Strict):
     """Two-tower model hyper-parameters."""
 
-    embedding_dim: int = Field(64, ge=2)
-    hidden_dims: list[int] = []
-    temperature: float = Field(0.1, gt=0)
+    embedding_dim: int = Field(64, ge=2, le=MAX_DIM)
+    hidden_dims: list[Annotated[int, Field(ge=1, le=MAX_DIM)]] = Field([], max_length=16)
+    temperature: float = Field(0.1, gt=0, le=1000)
     # L2-normalise both towers' outputs (scores are cosines in [-1, 1], scaled by 1/temperature).
     # false: raw dot products, as in the TFRS tutorial (benchmarks' equal-model comparison).
     normalize: bool = True
     logq_correction: bool = True
     remove_accidental_hits: bool = True
-    l2_regularization: float = Field(0.0, ge=0)
-    oov_buckets: int = Field(1, ge=1)
+    l2_regularization: float = Field(0.0, ge=0, le=1000)
+    oov_buckets: int = Field(1, ge=1, le=1_000_000)
     # Query tower: the last `history_length` items of the user's history, mean-pooled over item
     # embeddings (0 turns history off). Shared: the candidate tower's item table is reused.
     # Same default as preprocess.history_length: serving then pools what training saw.
-    history_length: int = Field(20, ge=0)
+    history_length: int = Field(20, ge=0, le=MAX_K)
     share_item_embeddings: bool = True
     # Candidate tower: genres / title tokens from item_features.parquet when it has them.
     item_features: bool = True
     # Query tower: one token per user side feature (user_features.parquet: age bucket, gender,
     # occupation, ...) when the data has a user side file.
     user_features: bool = False
-    max_title_tokens: int = Field(16, ge=1)
+    max_title_tokens: int = Field(16, ge=1, le=1024)
     # Extra hard negatives (TFRS HardNegativeMining): keep only the top-N negatives per query.
-    num_hard_negatives: int | None = Field(None, ge=1)
+    num_hard_negatives: int | None = Field(None, ge=1, le=MAX_BATCH)
 
 
 class TrainingConfig(_Strict):
     """Optimisation settings."""
 
-    batch_size: int = Field(1024, ge=1)
-    epochs: int = Field(10, ge=1)
+    batch_size: int = Field(1024, ge=1, le=MAX_BATCH)
+    epochs: int = Field(10, ge=1, le=MAX_COUNT)
     optimizer: Literal["adagrad", "adam"] = "adam"
-    learning_rate: float = Field(0.01, gt=0)
-    shuffle_buffer: int = Field(100_000, ge=1)
+    learning_rate: float = Field(0.01, gt=0, le=100)
+    shuffle_buffer: int = Field(100_000, ge=1, le=MAX_ROWS)
     # Keep the parsed, id-looked-up split in memory after one read and reshuffle it whole every
     # epoch (no gzip re-read, no shuffle-buffer refill). auto: when it is estimated under
     # 1 GiB and one worker trains; memory: always; none: stream the TFRecords every epoch.
@@ -253,20 +304,23 @@ class TrainingConfig(_Strict):
     # and under several replicas, where the all_gather runs outside XLA.
     jit_compile: Literal["auto", "on", "off"] = "auto"
     # Train steps per tf.function call (fewer Python round trips; callbacks see every Nth).
-    steps_per_execution: int = Field(1, ge=1)
-    seed: int = 42
+    steps_per_execution: int = Field(1, ge=1, le=MAX_COUNT)
+    seed: int = Field(42, ge=0, le=MAX_SEED)
     # Same seed, same data order and weights (tf.data determinism + op determinism; slower).
     deterministic: bool = False
     # auto: multi_worker when TF_CONFIG names several workers, mirrored on several GPUs,
     # else one_device (docs/TRAINING.md).
-    strategy: Literal["auto", "one_device", "mirrored", "multi_worker"] = "auto"
+    # parameter_server: TF_CONFIG names a chief, workers and ps tasks; variables of at least
+    # ps_min_shard_bytes are split over the ps tasks (docs/TRAINING.md "Parameter servers").
+    strategy: Literal["auto", "one_device", "mirrored", "multi_worker", "parameter_server"] = "auto"
+    ps_min_shard_bytes: int = Field(256 << 10, ge=1)
     # auto: mixed_float16 on GPUs with compute capability >= 7.0, else float32.
     precision: Literal["auto", "float32", "mixed_bfloat16", "mixed_float16"] = "auto"
     gpu_memory_growth: bool = True
     # Checkpoints for resuming a killed run: every N steps (0: only at epoch end).
-    checkpoint_every_steps: int = Field(0, ge=0)
+    checkpoint_every_steps: int = Field(0, ge=0, le=MAX_ROWS)
     # Early stopping on exact validation metrics (0: off); the best epoch's weights are kept.
-    early_stopping_patience: int = Field(0, ge=0)
+    early_stopping_patience: int = Field(0, ge=0, le=MAX_COUNT)
     early_stopping_metric: str = Field("recall_at_50", pattern=r"^(recall|ndcg|mrr)_at_\d+$")
     # A previous run's model dir (e.g. the champion's): initialise from its weights, rows
     # mapped by id when the vocabularies changed.
@@ -281,11 +335,11 @@ class TrainingConfig(_Strict):
 class EvaluationConfig(_Strict):
     """Exact top-K evaluation over the whole catalog."""
 
-    ks: list[int] = [10, 50, 100]
-    ndcg_k: int = 10
-    mrr_k: int = 100
-    coverage_k: int = 10
-    user_batch_size: int = Field(512, ge=1)
+    ks: list[Annotated[int, Field(le=MAX_K)]] = Field([10, 50, 100], max_length=100)
+    ndcg_k: int = Field(10, ge=1, le=MAX_K)
+    mrr_k: int = Field(100, ge=1, le=MAX_K)
+    coverage_k: int = Field(10, ge=0, le=MAX_K)  # 0: no coverage metric
+    user_batch_size: int = Field(512, ge=1, le=MAX_BATCH)
 
     @field_validator("ks")
     @classmethod
@@ -301,8 +355,8 @@ class TrackingConfig(_Strict):
     uri: str | None = None
     experiment: str | None = None
     # Reachability probe of a tracking server before logging: attempts, first wait (doubles).
-    retries: int = Field(4, ge=1)
-    backoff_seconds: float = Field(1.0, ge=0)
+    retries: int = Field(4, ge=1, le=100)
+    backoff_seconds: float = Field(1.0, ge=0, le=3600)
 
     @field_validator("experiment")
     @classmethod
@@ -315,10 +369,10 @@ class GateConfig(_Strict):
 
     primary_metric: str = "recall_at_50"
     # The challenger's mean per-user gain must be at least this AND its CI lower bound above 0.
-    min_delta: float = Field(0.0, ge=0)
+    min_delta: float = Field(0.0, ge=0, le=1)
     confidence: float = Field(0.95, gt=0.5, lt=1)
-    bootstrap_samples: int = Field(2000, ge=100)
-    seed: int = 0
+    bootstrap_samples: int = Field(2000, ge=100, le=1_000_000)
+    seed: int = Field(0, ge=0, le=MAX_SEED)
     # metric -> largest tolerated drop (absolute, challenger minus champion).
     guardrails: dict[str, float] = {"ndcg_at_10": 0.01, "coverage_at_10": 0.05}
 
@@ -335,22 +389,22 @@ class ExportConfig(_Strict):
     """SavedModel and embedding export (docs/SERVING.md)."""
 
     # The largest k a retrieval request may ask for (larger requests are clipped in the graph).
-    top_k: int = Field(100, ge=1)
+    top_k: int = Field(100, ge=1, le=MAX_K)
     verify: bool = True
-    tolerance: float = Field(1e-5, gt=0)
+    tolerance: float = Field(1e-5, gt=0, le=1)
     # TF Serving warmup requests in each SavedModel's assets.extra/.
     warmup: bool = True
     # Versions kept per model (and embeddings); the champion/challenger ones are never pruned.
-    keep_versions: int = Field(5, ge=1)
+    keep_versions: int = Field(5, ge=1, le=MAX_COUNT)
     # models.config base_path prefix as TF Serving sees the export folder (e.g. "/models" in the
     # container); empty: this machine's absolute paths.
     serving_base_path: str | None = None
     # Optional approximate index over items.parquet (brute force stays the default and the
     # retrieval SavedModel is always exact): faiss IVF-Flat with inner product.
     ann: Literal["none", "faiss"] = "none"
-    ann_nlist: int | None = Field(None, ge=1)
-    ann_nprobe: int = Field(16, ge=1)
-    ann_recall_k: int = Field(100, ge=1)
+    ann_nlist: int | None = Field(None, ge=1, le=MAX_ROWS)
+    ann_nprobe: int = Field(16, ge=1, le=MAX_ROWS)
+    ann_recall_k: int = Field(100, ge=1, le=MAX_K)
 
 
 class NightlyConfig(_Strict):
@@ -359,7 +413,7 @@ class NightlyConfig(_Strict):
     # The default --date is yesterday in this IANA time zone (the business day that ended).
     timezone: str = "UTC"
     # Keep data/ and runs/ of the newest N dates (never the champion's); None keeps all.
-    keep_days: int | None = Field(None, ge=1)
+    keep_days: int | None = Field(None, ge=1, le=36_500)
 
     @field_validator("timezone")
     @classmethod
@@ -515,6 +569,14 @@ class RecsysConfig(_Strict):
         return self.model_copy(update={"data": data})
 
 
+def _is_scalar(value: Any) -> bool:
+    # Text may be a path, a URI or a secret: only numbers, and text that reads as one, are
+    # repeated in the message.
+    return isinstance(value, int | float | bool) or (
+        isinstance(value, str) and _NUMBER_LIKE.fullmatch(value) is not None
+    )
+
+
 def _flatten(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
     flat: dict[str, Any] = {}
     for key, value in tree.items():
@@ -534,13 +596,42 @@ def load_config(path: str | Path | None = None) -> RecsysConfig:
     path = Path(path)
     if not path.is_file():
         raise ConfigError(f"config file not found: {path}")
-    try:
-        raw = yaml.safe_load(path.read_text()) or {}
-    except yaml.YAMLError as exc:
-        raise ConfigError(f"{path}: not valid YAML: {exc}") from exc
+    raw = _parse_yaml(path, path.read_bytes())
     if not isinstance(raw, dict):
         raise ConfigError(f"{path}: the top level must be a mapping of settings")
     return parse_config(raw, source=str(path))
+
+
+def _parse_yaml(path: Path, data: bytes) -> Any:
+    """The YAML document in `data`; ConfigError if it is not UTF-8, not YAML, or too deep."""
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise ConfigError(
+            f"{path}: not UTF-8 (byte 0x{data[exc.start]:02x} at offset {exc.start}); save the "
+            "file as UTF-8"
+        ) from None
+    try:
+        raw = yaml.safe_load(text) or {}
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{path}: not valid YAML: {exc}") from None
+    except RecursionError:
+        # PyYAML's composer recurses once per level: thousands of levels exhaust the stack.
+        raise ConfigError(
+            f"{path}: nested deeper than Python's recursion limit; a config is a few levels "
+            f"deep (at most {MAX_CONFIG_DEPTH})"
+        ) from None
+    if _depth(raw) > MAX_CONFIG_DEPTH:
+        raise ConfigError(f"{path}: nested more than {MAX_CONFIG_DEPTH} levels deep")
+    return raw
+
+
+def _depth(value: Any, limit: int = MAX_CONFIG_DEPTH + 1) -> int:
+    """Nesting depth of mappings and lists, counted no further than `limit`."""
+    if limit <= 0 or not isinstance(value, dict | list):
+        return 0
+    children = value.values() if isinstance(value, dict) else value
+    return 1 + max((_depth(child, limit - 1) for child in children), default=0)
 
 
 def parse_config(raw: dict[str, Any], source: str = "<config>") -> RecsysConfig:
@@ -554,5 +645,7 @@ def parse_config(raw: dict[str, Any], source: str = "<config>") -> RecsysConfig:
             msg = "unknown key" if err["type"] == "extra_forbidden" else err["msg"]
             if err["type"] == "value_error" and "error" in err.get("ctx", {}):
                 msg = str(err["ctx"]["error"])  # our validators' own words, without "Value error, "
+            elif err["type"] != "extra_forbidden" and _is_scalar(err.get("input")):
+                msg += f", got {err['input']!r}"
             problems.append(f"{where}: {msg}")
         raise ConfigError(f"{source}: invalid config: " + "; ".join(problems)) from None

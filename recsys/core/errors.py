@@ -2,6 +2,14 @@
 
 from __future__ import annotations
 
+import errno
+import os
+
+# errno values that mean "the disk, not the program": reported as StorageError (exit 9).
+STORAGE_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EIO})
+# ... and a working directory this user may not write.
+ACCESS_ERRNOS = frozenset({errno.EACCES, errno.EPERM})
+
 
 class RecsysError(Exception):
     """Base class of every error meant for the user (no traceback in the CLI)."""
@@ -65,7 +73,28 @@ class StorageError(RecsysError):
     exit_code = 9
 
 
+class ServedModelError(RecsysError):
+    """A version that models.config routes TF Serving to is missing files or was altered."""
+
+    exit_code = 11
+
+
 class StageFailedError(RecsysError):
     """A stage failed for a reason that is not bad input or infrastructure (see the log)."""
 
     exit_code = 10
+
+
+def storage_errno(exc: BaseException) -> int | None:
+    """The storage errno behind `exc`: an OSError's own, or one TensorFlow names in its text.
+
+    TensorFlow raises ResourceExhaustedError ("...; No space left on device") for a full
+    disk, the type it also uses for out of memory: only the message tells them apart.
+    """
+    if isinstance(exc, OSError) and exc.errno in STORAGE_ERRNOS:
+        return exc.errno
+    text = str(exc)
+    for code in sorted(STORAGE_ERRNOS):
+        if text and (os.strerror(code) in text or errno.errorcode[code] in text.split()):
+            return code
+    return None

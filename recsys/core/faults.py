@@ -2,8 +2,10 @@
 
 `RECSYS_FAULT=<point>:<action>` makes the process, on reaching `fault_point("<point>")`,
 either die at once (`kill`: SIGKILL, as the OOM killer or a node loss would) or fail as a full
-disk would (`enospc`: OSError ENOSPC on the path given). Unset, a fault point is one dict
-lookup. Points: see the calls of `fault_point` (grep); docs/OPERATIONS.md lists them.
+disk would (`enospc`: OSError ENOSPC on the path given; `tf-enospc`: a real write through
+TensorFlow's file system to /dev/full, so TF raises exactly what it raises on a full disk).
+Unset, a fault point is one dict lookup. Points: see the calls of `fault_point` (grep);
+docs/OPERATIONS.md lists them.
 """
 
 from __future__ import annotations
@@ -28,5 +30,15 @@ def fault_point(name: str, path: Path | None = None) -> None:
         os.kill(os.getpid(), signal.SIGKILL)
     elif action == "enospc":
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path) if path else None)
+    elif action == "tf-enospc":
+        _tensorflow_full_disk()
     else:
-        raise ValueError(f"{ENV}={spec!r}: unknown action {action!r} (kill or enospc)")
+        raise ValueError(f"{ENV}={spec!r}: unknown action {action!r} (kill, enospc, tf-enospc)")
+
+
+def _tensorflow_full_disk() -> None:
+    """Write through TensorFlow's file system to /dev/full: TF raises what a full disk gives."""
+    import tensorflow as tf
+
+    with tf.io.gfile.GFile("/dev/full", "w") as fh:
+        fh.write("x" * (1 << 20))

@@ -41,6 +41,11 @@ TEMP_PREFIXES = (".tmp-", ".old-", ".staging-")
 _RUN_ID = re.compile(r"^[0-9]{8}T[0-9]{6}Z-[0-9a-f]{8}-[0-9a-f]{4}$")
 
 
+_ISO_DATE = re.compile(r"\d{4}-\d{2}-\d{2}")  # fromisoformat alone also takes 20261129
+FIRST_DATE = dt.date(1970, 1, 1)
+LAST_DATE = dt.date(2199, 12, 31)
+
+
 class DataFile(StrEnum):
     """The files of one day's preprocessed data folder (`data/<date>/`), written by preprocess."""
 
@@ -270,9 +275,17 @@ def parse_date(value: str | None, timezone: str = "UTC") -> dt.date:
 
         return (dt.datetime.now(ZoneInfo(timezone)) - dt.timedelta(days=1)).date()
     try:
-        return dt.date.fromisoformat(value)
+        if not _ISO_DATE.fullmatch(value):
+            raise ValueError(value)
+        date = dt.date.fromisoformat(value)
     except ValueError:
         raise ConfigError(f"--date must be YYYY-MM-DD, got {value!r}") from None
+    if not FIRST_DATE <= date <= LAST_DATE:
+        raise ConfigError(
+            f"--date {value} is outside {FIRST_DATE}..{LAST_DATE}: interaction times are "
+            "seconds since 1970, and the run date bounds them"
+        )
+    return date
 
 
 def end_of_day_utc(date: dt.date) -> int:

@@ -9,11 +9,13 @@ from __future__ import annotations
 
 import datetime as dt
 import json
+import logging
 import os
 import re
 import subprocess
 import tempfile
 import time
+import uuid
 import warnings
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager, suppress
@@ -30,8 +32,11 @@ from mlflow.tracking.context.registry import resolve_tags
 
 from recsys.core.config import RecsysConfig
 from recsys.core.errors import TrackingError
+from recsys.core.faults import fault_point
 from recsys.core.layout import DataFile, Workdir
 from recsys.core.redact import redact_text, redact_tree, redact_value
+
+log = logging.getLogger(__name__)
 
 # MLflow's defaults (7 retries, backoff factor 2, 120 s timeout) keep a nightly job waiting for
 # minutes on a dead server. These bound one request to ~10 s of retries when the connection is
@@ -70,6 +75,8 @@ def resolve_tracking_uri(config: RecsysConfig, workdir: Path) -> str:
         or default_tracking_uri(workdir)
     )
 
+
+_STORE_TMP = ".tmp-mlflow-"  # a store being created (recsys.core.layout.TEMP_PREFIXES style)
 
 # Tags that identify one nightly run: same date, config and data -> the same MLflow run.
 IDENTITY_TAGS = ("run_date", "config_digest", "data_fingerprint")
@@ -138,10 +145,38 @@ def connect(config: RecsysConfig, workdir: Path, uri: str | None = None) -> Mlfl
     """A client for the run's tracking store; a server is probed first (retries with backoff)."""
     uri = uri or resolve_tracking_uri(config, workdir)
     if uri == default_tracking_uri(workdir):
-        Workdir(workdir).mlflow_store().mkdir(parents=True, exist_ok=True)
+        ensure_local_store(workdir)
     if uri.startswith(("http://", "https://")):
         wait_for_server(uri, workdir, config.tracking.retries, config.tracking.backoff_seconds)
     return MlflowClient(tracking_uri=uri)
+
+
+def ensure_local_store(workdir: Path) -> Path:
+    """The local SQLite store, created crash-safe: migrated aside, then renamed into place.
+
+    MLflow creates its tables and runs a few dozen migrations on first use; a process killed
+    in between left a half-migrated `mlflow.db` that no later run could open ("table ...
+    already exists"). Here the store is built as a temporary file and appears under its name
+    by one rename only when complete, so `mlflow.db` is either absent or whole. A temporary
+    file of a killed creation is removed by the next one (under the workdir lock).
+    """
+    folder = Workdir(workdir).mlflow_store()
+    store = folder / "mlflow.db"
+    folder.mkdir(parents=True, exist_ok=True)
+    if store.exists():
+        return store
+    for leftover in folder.glob(f"{_STORE_TMP}*"):
+        leftover.unlink(missing_ok=True)
+    tmp = folder / f"{_STORE_TMP}{uuid.uuid4().hex[:8]}.db"
+    log.info("creating the local MLflow store %s", store)
+    client = MlflowClient(tracking_uri=f"sqlite:///{tmp.resolve()}")
+    client.search_experiments(max_results=1)  # creates the tables and runs the migrations
+    client.search_registered_models(max_results=1)
+    fault_point("tracking:store-migrated", tmp)
+    with open(tmp, "rb") as fh:
+        os.fsync(fh.fileno())
+    os.replace(tmp, store)
+    return store
 
 
 def wait_for_server(uri: str, workdir: Path, attempts: int, backoff_seconds: float) -> None:

@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import tensorflow as tf
 
+from recsys.core.faults import fault_point
+
 # The private attributes this adapter reads or writes, checked by the pin test.
 PRIVATE_STATE = ("_batches_count", "_current_epoch", "_training_state")
 PRIVATE_TRAINING_STATE = ("_ckpt_saved_batch",)
@@ -49,6 +51,7 @@ class BackupEveryStepsAndEpoch(tf.keras.callbacks.BackupAndRestore):
             self._backup(epoch=self._current_epoch, batch=batch)
 
     def on_epoch_end(self, epoch: int, logs: dict[str, float] | None = None) -> None:
+        fault_point("train:checkpoint")
         super().on_epoch_end(epoch, logs)
         if self.save_freq != "epoch":
             # The saved step is the epoch's last one: resume starts the next epoch.

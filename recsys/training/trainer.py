@@ -21,7 +21,7 @@ import tensorflow as tf
 from recsys import evaluation as ev
 from recsys.core import schema
 from recsys.core.config import EvaluationConfig, RecsysConfig, TrainingConfig
-from recsys.core.errors import ConfigError, OutOfMemoryError
+from recsys.core.errors import ConfigError, OutOfMemoryError, StorageError, storage_errno
 from recsys.core.layout import DataFile
 from recsys.data_io import load_split
 from recsys.model import (
@@ -34,6 +34,12 @@ from recsys.model import (
 )
 from recsys.training.dataset import in_memory_bytes, in_memory_dataset, training_dataset
 from recsys.training.keras_backup_adapter import BackupEveryStepsAndEpoch
+from recsys.training.memory import check_memory
+from recsys.training.parameter_servers import (
+    is_parameter_server,
+    parameter_server_strategy,
+    per_worker_dataset,
+)
 
 log = logging.getLogger(__name__)
 
@@ -312,8 +318,13 @@ def write_dir(path: Path, chief: bool) -> Path:
     return path if chief else Path(tempfile.mkdtemp(prefix=f"{path.name}-workertemp-"))
 
 
-def make_strategy(name: str, gpus: list[tf.config.PhysicalDevice]) -> tf.distribute.Strategy:
-    """The device layout: auto picks multi_worker / mirrored / one_device (docs/TRAINING.md)."""
+def make_strategy(
+    name: str, gpus: list[tf.config.PhysicalDevice], min_shard_bytes: int = 256 << 10
+) -> tf.distribute.Strategy:
+    """The device layout: auto picks multi_worker / mirrored / one_device; parameter_server
+    only when asked (docs/TRAINING.md)."""
+    if name == "parameter_server":  # on a worker or ps task this serves and never returns
+        return parameter_server_strategy(min_shard_bytes)
     workers = tf_config_workers()
     if name == "auto":
         name = "multi_worker" if workers > 1 else "mirrored" if len(gpus) > 1 else "one_device"
@@ -417,7 +428,7 @@ def train(
     tc = config.training
     gpus = configure_gpus(tc.gpu_memory_growth)
     # MultiWorkerMirroredStrategy must exist before other TF ops run in the process.
-    strategy = make_strategy(tc.strategy, gpus)
+    strategy = make_strategy(tc.strategy, gpus, tc.ps_min_shard_bytes)
     precision = resolve_precision(tc.precision, gpus)
     tf.keras.utils.set_random_seed(tc.seed)
     if tc.deterministic:
@@ -428,12 +439,13 @@ def train(
     replicas = strategy.num_replicas_in_sync
     jit = use_jit(tc.jit_compile, replicas, len(gpus))
     chief = is_chief(strategy)
+    stats = json.loads((data_dir / DataFile.STATS).read_text())
+    check_memory(config, stats["users"], stats["items"], stats["splits"]["train"])
     with strategy.scope():
         trained, model = build_model(config, data_dir, precision, jit)
         if previous is not None:
             copied = warm_start(trained, previous)
             log.info("warm start from %s: rows taken over %s", tc.warm_start_from, copied)
-    stats = json.loads((data_dir / DataFile.STATS).read_text())
     cached = use_cache(tc.cache, stats["splits"], trained, strategy)
     train_ds, val_ds = _datasets(config, data_dir, trained, strategy, stats["splits"], cached)
     timer = EpochTimer()
@@ -458,9 +470,25 @@ def train(
     start = time.perf_counter()
     try:
         history = model.fit(
-            train_ds, epochs=tc.epochs, validation_data=val_ds, callbacks=callbacks, verbose=0
+            train_ds,
+            epochs=tc.epochs,
+            validation_data=val_ds,
+            callbacks=callbacks,
+            verbose=0,
+            # Workers repeat their pipelines: the coordinator counts the steps of an epoch.
+            steps_per_epoch=_steps(stats["splits"]["train"], tc.batch_size, False)
+            if is_parameter_server(strategy)
+            else None,
         )
     except tf.errors.ResourceExhaustedError as exc:
+        # TensorFlow reports a full disk (a checkpoint write) with the same error type.
+        if storage_errno(exc) is not None:
+            raise StorageError(
+                f"training: {str(exc).splitlines()[0][:200]} (writing a checkpoint under "
+                f"{backup_dir}); the data and the checkpoints written so far are kept: free "
+                "space there and rerun the same command (training resumes from its last "
+                "checkpoint)"
+            ) from None
         raise OutOfMemoryError(
             f"out of memory training with training.batch_size={tc.batch_size} on "
             f"{replicas} replica(s): lower training.batch_size (e.g. {max(tc.batch_size // 2, 1)})"
@@ -494,7 +522,9 @@ def use_cache(
     trains (several workers each read their shard of the files)."""
     if setting != "auto":
         return setting == "memory"
-    if isinstance(strategy, tf.distribute.MultiWorkerMirroredStrategy):
+    if isinstance(strategy, tf.distribute.MultiWorkerMirroredStrategy) or is_parameter_server(
+        strategy
+    ):
         return False
     size = in_memory_bytes(counts["train"] + counts.get("validation", 0), trained)
     return size <= AUTO_CACHE_BYTES
@@ -510,6 +540,14 @@ def _datasets(
 ) -> tuple[tf.data.Dataset, tf.data.Dataset | None]:
     """Train and validation (None when empty) batches with a known number of steps."""
     tc = config.training
+    if is_parameter_server(strategy):
+        # Each worker streams its own shuffled copy; validation runs on the coordinator
+        # (exact recall, ValidationRecall), not as a Keras validation pass.
+        return per_worker_dataset(
+            lambda: training_dataset(
+                data_dir, "train", trained, tc.batch_size, tc.shuffle_buffer, deterministic=False
+            )
+        ), None
     # Several replicas: equal per-replica batches, so every all_gather has the same shape.
     drop = strategy.num_replicas_in_sync > 1
     if drop and counts["train"] < tc.batch_size:
@@ -558,6 +596,8 @@ def _shard_by_data(ds: tf.data.Dataset) -> tf.data.Dataset:
 
 
 def _strategy_name(strategy: tf.distribute.Strategy) -> str:
+    if is_parameter_server(strategy):
+        return "parameter_server"
     if isinstance(strategy, tf.distribute.MultiWorkerMirroredStrategy):
         return "multi_worker"
     return "mirrored" if isinstance(strategy, tf.distribute.MirroredStrategy) else "one_device"
