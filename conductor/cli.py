@@ -54,6 +54,18 @@ def _parser() -> argparse.ArgumentParser:
         choices=STAGES,
         help="redo this stage and the ones after it even if they finished (default: resume)",
     )
+    tun = sub.add_parser(
+        "tune",
+        parents=[common],
+        help="search model/training settings on the validation split (Optuna, MLflow)",
+    )
+    tun.add_argument("--trials", type=int, help="number of trials (default: tune.trials)")
+    tun.add_argument(
+        "--timeout", type=float, help="seconds after which no new trial starts (default: none)"
+    )
+    tun.add_argument(
+        "--output", help="winning config YAML (default: <workdir>/tune/<date>/best.yaml)"
+    )
     back = sub.add_parser(
         "backfill",
         parents=[common],

@@ -10,21 +10,24 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import yaml
+
 from conductor import stages
 from conductor.lock import WorkdirLock
 from conductor.nightly import backfill, run_nightly
+from recsys import tuning
 from recsys.ab import workflow as ab_workflow
 from recsys.ab.planning import format_plan, plan
-from recsys.core.config import RecsysConfig
+from recsys.core.config import REPO_CONFIGS, RecsysConfig
 from recsys.core.errors import ConfigError
-from recsys.core.layout import DataFile, RunFile, clean_temporaries, parse_date
+from recsys.core.layout import SUCCESS, DataFile, RunFile, clean_temporaries, parse_date
 from recsys.tracking.compare import compare, format_table
 from recsys.tracking.runs import record_ab_metric
 from recsys.training.trainer import is_chief
 from serving_export.formats import export_embeddings
 
 # Commands that write into the working directory: they take its lock (conductor.lock).
-_WRITERS = {"preprocess", "train", "evaluate", "export", "sync"}
+_WRITERS = {"preprocess", "train", "evaluate", "export", "sync", "tune"}
 
 
 def dispatch(args: argparse.Namespace, config: RecsysConfig, date: dt.date) -> int:
@@ -82,6 +85,8 @@ def _run_stage(args: argparse.Namespace, config: Any, workdir: Any, date: Any) -
             rerun_from=args.rerun_from,
         )
         _print_nightly(result)
+    elif args.command == "tune":
+        _tune(args, config, workdir, date)
     elif args.command == "backfill":
         start, end = parse_date(args.start), parse_date(args.end)
         backfill(config, workdir, start, end, input_path=args.input, on_date=_print_nightly)
@@ -117,6 +122,34 @@ def _run_stage(args: argparse.Namespace, config: Any, workdir: Any, date: Any) -
         )
     # Both gate outcomes (promote, keep) are successful runs: exit code 0.
     return 0
+
+
+def _tune(args: argparse.Namespace, config: Any, workdir: Any, date: Any) -> None:
+    if args.trials is not None and args.trials < 1:
+        raise ConfigError(f"--trials must be at least 1, got {args.trials}")
+    if args.timeout is not None and not args.timeout > 0:
+        raise ConfigError(f"--timeout must be a positive number of seconds, got {args.timeout}")
+    source = Path(args.config) if args.config else REPO_CONFIGS / "default.yaml"
+    base = yaml.safe_load(source.read_text()) if source.is_file() else {}
+    if args.input:
+        config = config.with_input(args.input)
+        base["data"] = config.data.model_dump(mode="json", exclude_defaults=True)
+    folder = workdir.root / "tune" / date.isoformat()
+    prepared = tuning.preprocess_config(config)
+    data_dir = folder / f"data-{prepared.digest()}"
+    if not (data_dir / SUCCESS).is_file():
+        stages.preprocess(prepared, workdir, date, None, data_dir)
+    output = Path(args.output) if args.output else folder / "best.yaml"
+    result = tuning.tune(
+        config, data_dir, output, workdir=workdir.root, trials=args.trials,
+        timeout_seconds=args.timeout, base_yaml=base, run_date=date,
+    )  # fmt: skip
+    print(f"trials:      {result.states} in {result.seconds:.0f} s")
+    print(f"best:        trial {result.best_trial}, validation {result.best_value:.4f}")
+    for key, value in result.best_params.items():
+        print(f"  {key} = {value}")
+    print(f"mlflow:      experiment {result.experiment}, parent run {result.parent_run_id}")
+    print(f"config:      {result.output}")
 
 
 def _ab(args: argparse.Namespace, config: Any, workdir: Any) -> None:

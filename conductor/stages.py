@@ -235,6 +235,9 @@ def evaluate(
         "protocol": "leave-last-out test item; train+validation items removed; full catalog",
         "model": result.metrics,
         "baselines": {"popularity": baseline.metrics},
+        # 95% intervals over users; of the whole test population's metric when sampled.
+        "intervals": {"model": result.intervals, "popularity": baseline.intervals},
+        "sample": {"users": len(eval_set.users), "of": eval_set.population or len(eval_set.users)},
     }
     _write_json(run_dir / RunFile.METRICS, report)
     return run_dir, report

@@ -7,7 +7,7 @@ The one model-input transform both the training input and the serving signatures
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import numpy as np
@@ -41,8 +41,10 @@ def read_examples(
     seed: int | None = None,
     deterministic: bool = True,
     drop_remainder: bool = False,
+    columns: Sequence[str] | None = None,
 ) -> tf.data.Dataset:
-    """Batches of parsed examples (dict of name -> [batch] tensor, lists ragged [batch, None]).
+    """Batches of parsed examples (dict of name -> [batch] tensor, lists ragged [batch, None]);
+    `columns`: only these features (None: all).
 
     Batching before `parse_example` parses a whole batch in one op, several times faster than
     parsing example by example. With `deterministic` and a seed the order is reproducible;
@@ -53,6 +55,8 @@ def read_examples(
         ds = ds.shuffle(shuffle_buffer, seed=seed, reshuffle_each_iteration=True)
     ds = ds.batch(batch_size, drop_remainder=drop_remainder)
     spec = schema.feature_spec()
+    if columns is not None:
+        spec = {name: spec[name] for name in columns}
     ds = ds.map(lambda b: tf.io.parse_example(b, spec), num_parallel_calls=tf.data.AUTOTUNE)
     options = tf.data.Options()
     options.deterministic = deterministic
@@ -71,15 +75,35 @@ def history_indices(
     return indices.to_tensor(default_value=tf.constant(PAD, tf.int64), shape=[None, length])
 
 
-def load_split(data_dir: Path, split: str, batch_size: int = 65536) -> dict[str, np.ndarray]:
-    """A whole split as numpy arrays (evaluation reads targets and exclusions this way)."""
-    parts: dict[str, list[np.ndarray]] = {name: [] for name in schema.FEATURE_NAMES}
-    for batch in read_examples(split_files(data_dir, split), batch_size):
+def load_split(
+    data_dir: Path,
+    split: str,
+    batch_size: int = 65536,
+    columns: Sequence[str] = schema.FEATURE_NAMES,
+) -> dict[str, np.ndarray]:
+    """A whole split as numpy arrays (evaluation reads targets and exclusions this way).
+
+    `columns`: the features to parse and keep; at millions of rows the ragged history
+    column (one Python list per example) dominates memory, and most readers need only ids.
+    """
+    parts: dict[str, list[np.ndarray]] = {name: [] for name in columns}
+    for batch in iter_split(data_dir, split, columns, batch_size):
         for name in parts:
-            parts[name].append(_to_numpy(batch[name]))
+            parts[name].append(batch[name])
     return {
         name: np.concatenate(chunks) if chunks else np.array([]) for name, chunks in parts.items()
     }
+
+
+def iter_split(
+    data_dir: Path,
+    split: str,
+    columns: Sequence[str] = schema.FEATURE_NAMES,
+    batch_size: int = 65536,
+) -> Iterator[dict[str, np.ndarray]]:
+    """A split batch by batch as numpy arrays: memory of one batch, whatever the split's size."""
+    for batch in read_examples(split_files(data_dir, split), batch_size, columns=columns):
+        yield {name: _to_numpy(batch[name]) for name in columns}
 
 
 def _to_numpy(value: tf.Tensor | tf.RaggedTensor) -> np.ndarray:
@@ -98,7 +122,8 @@ def latest_histories(data_dir: Path, users: list[str], length: int) -> list[list
     Ordered by (timestamp, item id), the protocol's order: the history a query made tonight
     would carry.
     """
-    parts = [load_split(data_dir, split) for split in schema.SPLITS]
+    columns = (schema.USER_ID, schema.ITEM_ID, schema.TIMESTAMP)
+    parts = [load_split(data_dir, split, columns=columns) for split in schema.SPLITS]
     user = decoded([u for p in parts for u in p[schema.USER_ID]])
     item = decoded([i for p in parts for i in p[schema.ITEM_ID]])
     stamp = np.array([t for p in parts for t in p[schema.TIMESTAMP]], dtype=np.int64)

@@ -16,13 +16,14 @@ maxima); no sort or partition of whole catalog rows (see `recsys.topk.top_k_colu
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 import pyarrow.parquet as pq
 from threadpoolctl import threadpool_limits
 
@@ -55,28 +56,61 @@ class EvalSet:
     targets: np.ndarray  # catalog index of each user's target, -1 if not in the catalog
     exclude: list[np.ndarray]  # per user: catalog indices to remove from the ranking
     num_items: int
+    # Evaluation users these are a uniform sample of (None: these are all of them).
+    population: int | None = None
 
 
 def build_eval_set(
-    catalog: list[str], eval_rows: dict[str, np.ndarray], known_rows: list[dict[str, np.ndarray]]
+    catalog: list[str],
+    eval_rows: dict[str, np.ndarray],
+    known_rows: Iterable[dict[str, np.ndarray]],
 ) -> EvalSet:
-    """Targets from `eval_rows`; exclusions from `known_rows` (e.g. train and validation)."""
-    position = {item: i for i, item in enumerate(catalog)}
+    """Targets from `eval_rows`; exclusions from `known_rows` (e.g. train and validation).
+
+    `known_rows` may be whole splits or batches of them (`dataset.iter_split`): they are
+    read once, keeping only the (user, item) pairs of evaluation users as int64 keys, so
+    memory is 8 bytes per such pair, not the splits' rows as Python strings.
+    """
+    items = pa.array(catalog, pa.string())
     users = _str(eval_rows[schema.USER_ID])
-    targets = np.array([position.get(i, -1) for i in _str(eval_rows[schema.ITEM_ID])], np.int64)
-    user_row = {u: r for r, u in enumerate(dict.fromkeys(users))}
-    # (user row, item) pairs of every known interaction, deduplicated and grouped with numpy.
-    pairs = [
-        (user_row[u], position[i])
-        for rows in known_rows
-        for u, i in zip(_str(rows[schema.USER_ID]), _str(rows[schema.ITEM_ID]), strict=True)
-        if u in user_row and i in position
+    targets = _positions(eval_rows[schema.ITEM_ID], items)
+    distinct = pc.unique(pa.array(users, pa.string()))
+    user_row = _positions(users, distinct)
+    num_items = max(len(catalog), 1)
+    keys = []
+    for rows in known_rows:
+        row = _positions(rows[schema.USER_ID], distinct)
+        item = _positions(rows[schema.ITEM_ID], items)
+        keep = (row >= 0) & (item >= 0)
+        keys.append(np.unique(row[keep] * num_items + item[keep]))
+    known = np.unique(np.concatenate(keys)) if keys else np.zeros(0, np.int64)
+    bounds = np.searchsorted(known, np.arange(len(distinct) + 1) * num_items)
+    exclude = [
+        _drop(known[bounds[r] : bounds[r + 1]] % num_items, t)
+        for r, t in zip(user_row.tolist(), targets.tolist(), strict=True)
     ]
-    known = np.unique(np.array(pairs, np.int64).reshape(-1, 2), axis=0)
-    bounds = np.searchsorted(known[:, 0], np.arange(len(user_row) + 1))
-    per_user = [known[bounds[r] : bounds[r + 1], 1] for r in range(len(user_row))]
-    exclude = [_drop(per_user[user_row[u]], t) for u, t in zip(users, targets, strict=True)]
     return EvalSet(users, targets, exclude, len(catalog))
+
+
+def sample_rows(rows: dict[str, np.ndarray], size: int, seed: int) -> dict[str, np.ndarray]:
+    """A uniform sample (without replacement, file order kept) of `size` evaluation rows;
+    all of them when `size` is 0 or not smaller."""
+    total = len(rows[schema.USER_ID])
+    if not size or size >= total:
+        return rows
+    chosen = np.sort(np.random.default_rng(seed).choice(total, size, replace=False))
+    return {name: values[chosen] for name, values in rows.items()}
+
+
+def _positions(values: Sequence[object] | np.ndarray, value_set: pa.Array) -> np.ndarray:
+    """Index of each id (bytes or str) in `value_set`; -1 when absent (one hash pass)."""
+    if not len(values):
+        return np.zeros(0, np.int64)
+    ids = pa.array(values)
+    if not pa.types.is_string(ids.type):
+        ids = ids.cast(pa.string())
+    found = pc.index_in(ids, value_set=value_set)
+    return found.fill_null(-1).to_numpy(zero_copy_only=False).astype(np.int64)
 
 
 def _drop(items: np.ndarray, target: int) -> np.ndarray:
@@ -90,10 +124,12 @@ def _str(values: np.ndarray) -> list[str]:
 
 @dataclass
 class EvalResult:
-    """Summary metrics and the per-user values they average."""
+    """Summary metrics, the per-user values they average, and each metric's confidence
+    interval over users (`confidence_intervals`)."""
 
     metrics: dict[str, float]
     per_user: dict[str, np.ndarray]
+    intervals: dict[str, tuple[float, float]] = field(default_factory=dict)
 
     def write_per_user(self, path: Path, users: list[str]) -> None:
         """Per-user values as Parquet (paired comparisons between models need them)."""
@@ -150,7 +186,34 @@ def evaluate(score_fn: ScoreFn, data: EvalSet, config: EvaluationConfig) -> Eval
     }
     metrics[f"coverage_at_{config.coverage_k}"] = float(covered.mean()) if data.num_items else 0.0
     metrics["eval_users"] = float(n)
-    return EvalResult(metrics, per_user)
+    intervals = confidence_intervals(per_user, data.population)
+    return EvalResult(metrics, per_user, intervals)
+
+
+Z_95 = 1.959964
+
+
+def confidence_intervals(
+    per_user: dict[str, np.ndarray], population: int | None = None, z: float = Z_95
+) -> dict[str, tuple[float, float]]:
+    """95% normal-approximation interval of each per-user mean (rank excluded).
+
+    mean +- z s / sqrt(n), s the per-user standard deviation. For a sample of n users drawn
+    without replacement from `population`, times the finite-population correction
+    sqrt((N - n) / (N - 1)): the interval of the metric over all N users that the sample
+    estimates (zero width when the sample is everyone).
+    """
+    out = {}
+    for name, values in per_user.items():
+        n = len(values)
+        if name == "rank" or n == 0:
+            continue
+        mean = float(values.mean())
+        half = z * float(values.std(ddof=1)) / np.sqrt(n) if n > 1 else 0.0
+        if population is not None and population > 1:
+            half *= np.sqrt(max(population - n, 0) / (population - 1))
+        out[name] = (mean - half, mean + half)
+    return out
 
 
 def batch_plan(users: int, num_items: int, user_batch_size: int) -> tuple[int, int]:

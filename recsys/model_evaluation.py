@@ -7,23 +7,37 @@ challenger.
 
 from __future__ import annotations
 
+import itertools
 from pathlib import Path
 
 from recsys import evaluation as ev
+from recsys.core import schema
 from recsys.core.config import RecsysConfig
-from recsys.data_io import load_split
+from recsys.data_io import iter_split, load_split
 from recsys.model import TrainedModel
 
 
 def evaluate_model(
     config: RecsysConfig, model_dir: Path, data_dir: Path
 ) -> tuple[ev.EvalSet, ev.EvalResult]:
-    """A saved model on data_dir's test split: (EvalSet, EvalResult), exact over the catalog."""
+    """A saved model on data_dir's test split: (EvalSet, EvalResult), exact over the catalog.
+
+    With `evaluation.sample_users` a seeded uniform sample of the test users (the same for
+    every model scored on the same data, so comparisons stay paired) is ranked.
+    """
     model = TrainedModel.load(model_dir)
     test = load_split(data_dir, "test")
-    eval_set = ev.build_eval_set(
-        model.items, test, [load_split(data_dir, "train"), load_split(data_dir, "validation")]
+    population = len(test[schema.USER_ID])
+    sample = config.evaluation.sample_users
+    test = ev.sample_rows(test, sample, config.evaluation.sample_seed)
+    # Exclusions stream from the splits' id columns (no histories, no whole split in memory).
+    ids = (schema.USER_ID, schema.ITEM_ID)
+    known = itertools.chain(
+        iter_split(data_dir, "train", ids), iter_split(data_dir, "validation", ids)
     )
+    eval_set = ev.build_eval_set(model.items, test, known)
+    if sample and sample < population:
+        eval_set.population = population
     # Each test example carries the user's history before the test item (empty if the data
     # has none): the query the model would have seen at that moment.
     histories = list(test["history"]) if "history" in test else None

@@ -8,15 +8,33 @@ Timestamps are spread over `days` days, each user's in increasing order.
 
 The item side file gives every item 1-3 of 18 genres, the genre directions its latent vector
 points to most (so genres carry the same signal as the ids), and a title "Item <n>".
+
+`shape: sessions` (`generate_sessions`) is vectorised for logs of millions of rows: the
+per-user model above scores the whole catalog for every user (users x items work). Each item
+belongs to the topic its latent vector points to most (of `topics` random directions); a
+user's interactions come in sessions (a new one starts with probability
+1/mean_session_length), each on one topic drawn with probability softmax(strength * z_u)
+(z_u: the user's standardised topic affinities). A session's next item is, with probability
+`sequential_probability`, the successor of the previous one in a fixed random order of its
+topic's items (the sequence signal a sequence encoder can learn), else a fresh draw from the
+topic, proportional to the power-law popularity. Sessions start uniformly over the days and
+their items are 1-120 s apart; each user's timestamps strictly increase. Users are generated
+in blocks of BLOCK_USERS, each block from its own seeded stream: the output does not depend
+on memory or on how it is written.
 """
 
 from __future__ import annotations
 
 import csv
 import datetime as dt
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.csv as pacsv
 
 from recsys.core.config import SyntheticConfig
 
@@ -109,9 +127,164 @@ def write_csv(config: SyntheticConfig, path: Path) -> Path:
     """Write the synthetic log as a CSV with a header (the same reader as real CSV input)."""
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(".tmp")
-    with tmp.open("w", newline="", encoding="utf-8") as fh:
-        writer = csv.writer(fh)
-        writer.writerow(HEADER)
-        writer.writerows(generate(config))
+    if config.shape == "sessions":
+        _write_table_csv(generate_sessions(config), tmp)
+    else:
+        with tmp.open("w", newline="", encoding="utf-8") as fh:
+            writer = csv.writer(fh)
+            writer.writerow(HEADER)
+            writer.writerows(generate(config))
     tmp.replace(path)
     return path
+
+
+BLOCK_USERS = 1 << 16
+"""Users per generated block of `generate_sessions` (part of its output's definition)."""
+_SESSION_SPAN = 6 * 3600  # sessions start early enough to end inside the last day
+
+
+@dataclass
+class _Topics:
+    """Items grouped by topic: popularity CDF per topic, and each item's successor."""
+
+    by_topic: np.ndarray  # item indices sorted by topic
+    cdf: np.ndarray  # cumulative popularity along by_topic
+    lo: np.ndarray  # [topics] first position of each topic in by_topic
+    hi: np.ndarray  # [topics] one past its last position
+    successor: np.ndarray  # [items] the next item of the item's topic order
+    directions: np.ndarray  # [d, topics]
+
+
+def _topics(config: SyntheticConfig, items: np.ndarray) -> _Topics:
+    rng = np.random.default_rng([config.seed, 2])
+    directions = rng.normal(size=(config.latent_dim, config.topics))
+    topic = np.argmax(items @ directions, axis=1)
+    log_pop = -config.popularity_exponent * np.log(np.arange(1, config.num_items + 1))
+    popularity = np.exp(rng.permutation(log_pop))
+    by_topic = np.argsort(topic, kind="stable")
+    bounds = np.searchsorted(topic[by_topic], np.arange(config.topics + 1))
+    # A random cycle through each topic's items: item -> the next one in that cycle.
+    cycle = np.lexsort((rng.random(config.num_items), topic))
+    nxt = np.roll(cycle, -1)
+    last = np.searchsorted(topic[cycle], np.arange(config.topics), side="right") - 1
+    first = bounds[:-1]
+    has = bounds[1:] > first
+    nxt[last[has]] = cycle[first[has]]
+    successor = np.empty(config.num_items, np.int64)
+    successor[cycle] = nxt
+    return _Topics(
+        by_topic, np.cumsum(popularity[by_topic]), first, bounds[1:], successor, directions
+    )
+
+
+def generate_sessions(config: SyntheticConfig) -> Iterator[pa.Table]:
+    """Tables (user_id, item_id, timestamp, weight) of the `sessions` shape, a block of users
+    each, in user then time order."""
+    _, users, items = _latent(config)
+    topics = _topics(config, items)
+    affinity = users @ topics.directions
+    affinity = (affinity - affinity.mean()) / max(float(affinity.std()), 1e-12)
+    counts = np.clip(
+        np.random.default_rng([config.seed, 3]).geometric(
+            1 / config.mean_interactions_per_user, config.num_users
+        ),
+        3,
+        config.num_items // 2,
+    )
+    start = int(dt.datetime.fromisoformat(config.start_date).replace(tzinfo=dt.UTC).timestamp())
+    span = config.days * 86400 - _SESSION_SPAN
+    for block, first in enumerate(range(0, config.num_users, BLOCK_USERS)):
+        rng = np.random.default_rng([config.seed, 4, block])
+        ids = np.arange(first, min(first + BLOCK_USERS, config.num_users))
+        user = np.repeat(ids, counts[ids])
+        item, session = _session_items(config, topics, affinity, user, rng)
+        order, stamp = _timestamps(user, session, start, max(span, 1), rng)
+        user, item = user[order], item[order]
+        d = config.latent_dim
+        taste = np.einsum("ij,ij->i", users[user], items[item]) * np.sqrt(d)
+        rating = np.clip(np.round(3 + 2 * np.tanh(taste)), 1, 5)
+        yield pa.table(
+            {
+                "user_id": _prefixed("u", user),
+                "item_id": _prefixed("i", item),
+                "timestamp": pa.array(stamp, pa.int64()),
+                "weight": pa.array(rating, pa.float64()),
+            }
+        )
+
+
+def _session_items(
+    config: SyntheticConfig,
+    topics: _Topics,
+    affinity: np.ndarray,
+    user: np.ndarray,
+    rng: np.random.Generator,
+) -> tuple[np.ndarray, np.ndarray]:
+    """(item, session number) per row of `user` (rows grouped by user)."""
+    n = len(user)
+    begins = rng.random(n) < 1 / config.mean_session_length
+    begins[0] = True
+    begins[1:] |= user[1:] != user[:-1]
+    session = np.cumsum(begins) - 1
+    starts = np.flatnonzero(begins)
+    # Gumbel-max: one topic per session with probability softmax(strength * affinity).
+    logits = config.taste_strength * affinity[user[starts]]
+    topic = np.argmax(logits + rng.gumbel(size=logits.shape), axis=1)[session]
+    lo, hi = topics.lo[topic], topics.hi[topic]
+    base = np.where(lo > 0, topics.cdf[np.maximum(lo - 1, 0)], 0.0)
+    target = base + rng.random(n) * (topics.cdf[hi - 1] - base)
+    where = np.clip(np.searchsorted(topics.cdf, target, side="right"), lo, hi - 1)
+    item = topics.by_topic[where]
+    # Sequential steps depend on the row before: walk session positions in order.
+    position = np.arange(n) - starts[session]
+    follow = (position > 0) & (rng.random(n) < config.sequential_probability)
+    order = np.argsort(position, kind="stable")
+    bounds = np.searchsorted(position[order], np.arange(position.max() + 2))
+    for p in range(1, len(bounds) - 1):
+        rows = order[bounds[p] : bounds[p + 1]]
+        rows = rows[follow[rows]]
+        item[rows] = topics.successor[item[rows - 1]]
+    return item, session
+
+
+def _timestamps(
+    user: np.ndarray, session: np.ndarray, start: int, span: int, rng: np.random.Generator
+) -> tuple[np.ndarray, np.ndarray]:
+    """(row order by user then time, timestamps in that order): a row's session start plus
+    1-120 s per earlier row of the session; strictly increasing per user (an overlap of two
+    sessions is pushed a second later)."""
+    n = len(user)
+    begins = np.flatnonzero(np.diff(session, prepend=-1))
+    session_start = start + rng.integers(0, span, size=len(begins))
+    gap = rng.integers(1, 121, size=n)
+    gap[begins] = 0
+    elapsed = np.cumsum(gap)
+    stamp = session_start[session] + elapsed - elapsed[begins][session]
+    order = np.lexsort((stamp, user))
+    user, stamp = user[order], stamp[order]
+    # Strictly increasing within a user: running max of (t - i), offset per user.
+    idx = np.arange(n)
+    offset = user.astype(np.int64) << 40
+    return order, np.maximum.accumulate(stamp - idx + offset) - offset + idx
+
+
+def _prefixed(prefix: str, values: np.ndarray) -> pa.Array:
+    return pc.binary_join_element_wise(prefix, pa.array(values).cast(pa.string()), "")
+
+
+def _write_table_csv(tables: Iterable[pa.Table], path: Path) -> None:
+    """Blocks as one CSV (header once, no quoting: the ids hold no separators)."""
+    schema = pa.schema(
+        [
+            ("user_id", pa.string()),
+            ("item_id", pa.string()),
+            ("timestamp", pa.int64()),
+            ("weight", pa.float64()),
+        ]
+    )
+    options = pacsv.WriteOptions(include_header=False, quoting_style="none")
+    with path.open("wb") as fh:
+        fh.write((",".join(HEADER) + "\n").encode())
+        with pacsv.CSVWriter(fh, schema, write_options=options) as writer:
+            for table in tables:
+                writer.write_table(table)

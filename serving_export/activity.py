@@ -41,7 +41,8 @@ def read_activity(
     interactions, the count the model's logQ correction used) and `last_seen`. Ids absent
     from the data get 0 and a null time.
     """
-    parts = [load_split(data_dir, split) for split in schema.SPLITS]
+    columns = (schema.USER_ID, schema.ITEM_ID, schema.TIMESTAMP)
+    parts = [load_split(data_dir, split, columns=columns) for split in schema.SPLITS]
     user = decoded([u for p in parts for u in p[schema.USER_ID]])
     item = decoded([i for p in parts for i in p[schema.ITEM_ID]])
     stamp = np.array([t for p in parts for t in p[schema.TIMESTAMP]], dtype=np.int64)

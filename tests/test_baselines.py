@@ -42,3 +42,22 @@ def test_als_recovers_the_block_structure() -> None:
     own = np.concatenate([scores[:20, :5].ravel(), scores[20:, 5:].ravel()]).mean()
     other = np.concatenate([scores[:20, 5:].ravel(), scores[20:, :5].ravel()]).mean()
     assert own > other + 0.3
+
+
+def test_sparse_input_gives_the_dense_results() -> None:
+    x = _blocks()
+    rows, cols = np.nonzero(x)
+    xs = baselines.sparse_interactions(
+        np.r_[rows, rows[:3]], np.r_[cols, cols[:3]], *x.shape
+    )  # repeated pairs collapse to one
+    np.testing.assert_array_equal(xs.toarray(), x)
+    np.testing.assert_allclose(baselines.ease_weights(xs, 1.0), baselines.ease_weights(x, 1.0))
+    b = baselines.ease_weights(x, 1.0)
+    rows_ = np.array([3, 0, 39])
+    np.testing.assert_allclose(
+        baselines.ease_scores(xs, b)(rows_), baselines.ease_scores(x, b)(rows_), atol=1e-6
+    )
+    dense = baselines.als_factors(x, factors=4, reg=0.1, alpha=10.0, iterations=3)
+    thin = baselines.als_factors(xs, factors=4, reg=0.1, alpha=10.0, iterations=3)
+    for a, c in zip(dense, thin, strict=True):
+        np.testing.assert_allclose(a, c, atol=1e-5)

@@ -11,9 +11,15 @@ import yaml
 DEPLOY = Path(__file__).resolve().parent.parent / "deploy"
 
 
+def _option(args: list[str], name: str) -> str:
+    return args[args.index(name) + 1]
+
+
 def test_cronjob_forbids_overlap_and_runs_non_root() -> None:
     docs = list(yaml.safe_load_all((DEPLOY / "kubernetes" / "cronjob.yaml").read_text()))
-    cron = next(d for d in docs if d["kind"] == "CronJob")
+    cron = next(
+        d for d in docs if d["kind"] == "CronJob" and d["metadata"]["name"] == "recsys-nightly"
+    )
     assert cron["spec"]["concurrencyPolicy"] == "Forbid"
     pod = cron["spec"]["jobTemplate"]["spec"]["template"]["spec"]
     assert pod["securityContext"]["runAsNonRoot"] is True
@@ -43,9 +49,58 @@ def test_crontab_line_is_locked() -> None:
         for ln in (DEPLOY / "crontab").read_text().splitlines()
         if ln and not ln.startswith("#") and "=" not in ln.split()[0]
     ]
-    assert len(jobs) == 1
-    fields = jobs[0].split()
-    assert len(fields[:5]) == 5 and "flock" in jobs[0] and "nightly" in jobs[0]
+    assert len(jobs) == 2
+    nightly = next(j for j in jobs if " nightly " in j)
+    tune = next(j for j in jobs if " tune " in j)
+    for job in (nightly, tune):
+        assert len(job.split()[:5]) == 5 and "flock -n" in job
+    # Separate locks: a long weekly tune never stops a nightly from starting.
+    locks = [j.split("flock -n ")[1].split()[0] for j in (nightly, tune)]
+    assert locks[0] != locks[1]
+    assert tune.split()[4] == "0"  # day of week: Sunday
+    command = [j.split(" >> ")[0].split() for j in (nightly, tune)]
+    _weekly_tune_feeds_the_nightly(command[0], command[1])
+
+
+def _weekly_tune_feeds_the_nightly(nightly: list[str], tune: list[str]) -> None:
+    """The nightly trains with the file the tune writes; the tune has its own working dir."""
+    assert _option(nightly, "--config") == _option(tune, "--output")
+    assert _option(tune, "--workdir") != _option(nightly, "--workdir")
+    assert int(_option(tune, "--trials")) >= 1 and float(_option(tune, "--timeout")) > 0
+
+
+def test_kubernetes_weekly_tune_writes_what_the_nightly_reads() -> None:
+    docs = list(yaml.safe_load_all((DEPLOY / "kubernetes" / "cronjob.yaml").read_text()))
+    jobs = {d["metadata"]["name"]: d for d in docs if d["kind"] == "CronJob"}
+    tune, nightly = jobs["recsys-tune"], jobs["recsys-nightly"]
+    assert tune["spec"]["concurrencyPolicy"] == "Forbid"
+    assert tune["spec"]["schedule"].split()[2:] == ["*", "*", "0"]  # weekly, Sundays
+    pods = [j["spec"]["jobTemplate"]["spec"]["template"]["spec"] for j in (tune, nightly)]
+    assert pods[0]["securityContext"]["runAsNonRoot"] is True
+    assert pods[0]["volumes"] == pods[1]["volumes"]  # the file is on the nightly's volume
+    args = [p["containers"][0]["args"] for p in pods]
+    assert args[0][0] == "tune" and args[1][0] == "nightly"
+    _weekly_tune_feeds_the_nightly(args[1], args[0])
+    mount = pods[1]["containers"][0]["volumeMounts"][0]["mountPath"]
+    assert _option(args[0], "--output").startswith(mount + "/")
+
+
+def test_systemd_weekly_tune_writes_what_the_nightly_reads() -> None:
+    units = {}
+    for name in ("recsys-nightly.service", "recsys-tune.service", "recsys-tune.timer"):
+        unit = configparser.ConfigParser(strict=False, interpolation=None)
+        unit.read(DEPLOY / "systemd" / name)
+        units[name] = unit
+    tune = units["recsys-tune.service"]["Service"]
+    assert tune["Type"] == "oneshot"
+    nightly_args = units["recsys-nightly.service"]["Service"]["ExecStart"].split()
+    tune_args = tune["ExecStart"].split()
+    assert tune_args[1] == "tune"
+    _weekly_tune_feeds_the_nightly(nightly_args, tune_args)
+    # ProtectSystem=strict: the tune may write only its working dir, where the output lies.
+    assert _option(tune_args, "--output").startswith(tune["ReadWritePaths"] + "/")
+    timer = units["recsys-tune.timer"]["Timer"]
+    assert timer["OnCalendar"].startswith("Sun ") and timer["Persistent"] == "true"
 
 
 def test_mlflow_server_manifest_is_the_documented_production_server() -> None:

@@ -151,6 +151,13 @@ class SyntheticConfig(_Strict):
     days: int = Field(14, ge=1, le=36_500)
     seed: int = Field(7, ge=0, le=MAX_SEED)
     item_features: bool = True
+    # taste: the original per-user model (every user scores the whole catalog: small logs
+    # only; the default data). sessions: vectorised, for logs of millions of rows: sessions
+    # on one topic each, whose items follow one another in a fixed order (recsys/synthetic.py).
+    shape: Literal["taste", "sessions"] = "taste"
+    topics: int = Field(32, ge=1)
+    mean_session_length: float = Field(5.0, ge=1)
+    sequential_probability: float = Field(0.6, ge=0, le=1)
 
     @field_validator("start_date")
     @classmethod
@@ -292,7 +299,13 @@ class TrainingConfig(_Strict):
 
     batch_size: int = Field(1024, ge=1, le=MAX_BATCH)
     epochs: int = Field(10, ge=1, le=MAX_COUNT)
-    optimizer: Literal["adagrad", "adam"] = "adam"
+    # A step budget: at most this many batches per epoch (and per validation pass); 0: the
+    # whole split. For logs too large to pass over nightly (benchmarks/scale.py).
+    max_steps_per_epoch: int = Field(0, ge=0, le=MAX_ROWS)
+    # lazy_adam: Adam whose embedding-table steps touch only the batch's rows (per-step cost
+    # independent of the vocabulary; recsys/training/lazy_adam.py); adam: tf_keras Adam,
+    # which updates every row of every table each step.
+    optimizer: Literal["adagrad", "adam", "lazy_adam"] = "lazy_adam"
     learning_rate: float = Field(0.01, gt=0, le=100)
     shuffle_buffer: int = Field(100_000, ge=1, le=MAX_ROWS)
     # Keep the parsed, id-looked-up split in memory after one read and reshuffle it whole every
@@ -340,6 +353,11 @@ class EvaluationConfig(_Strict):
     mrr_k: int = Field(100, ge=1, le=MAX_K)
     coverage_k: int = Field(10, ge=0, le=MAX_K)  # 0: no coverage metric
     user_batch_size: int = Field(512, ge=1, le=MAX_BATCH)
+    # Evaluate a uniform sample of this many test users (0: all of them; exact ranking either
+    # way). For catalogs x users too large to rank nightly; metrics.json then reports each
+    # metric's 95% interval for the whole test population (recsys/evaluation.py).
+    sample_users: int = Field(0, ge=0, le=MAX_ROWS)
+    sample_seed: int = Field(0, ge=0, le=MAX_SEED)
 
     @field_validator("ks")
     @classmethod
@@ -429,6 +447,80 @@ class NightlyConfig(_Strict):
         return value
 
 
+# What `recsys tune` searches when the config names no `tune.space` (docs/TRAINING.md, Tuning).
+DEFAULT_TUNE_SPACE: dict[str, dict[str, Any]] = {
+    "model.embedding_dim": {"choices": [32, 64, 128]},
+    "model.temperature": {"low": 0.03, "high": 0.3, "log": True},
+    "model.history_length": {"choices": [10, 20, 50]},
+    "training.learning_rate": {"low": 0.001, "high": 0.03, "log": True},
+    "training.batch_size": {"choices": [256, 512, 1024, 2048]},
+}
+# Settings a trial may change: the model and its training (the data and the protocol stay).
+TUNABLE_SECTIONS = ("model", "training")
+
+
+class SearchDimension(_Strict):
+    """One searched setting: a list of `choices`, or a `low`..`high` range.
+
+    A range of two integers is searched as integers (optionally every `step`), else as
+    floats; `log: true` samples uniformly in log space (learning rates, temperatures).
+    """
+
+    choices: list[bool | int | float | str] | None = None
+    low: int | float | None = None
+    high: int | float | None = None
+    log: bool = False
+    step: int | float | None = None
+
+    @model_validator(mode="after")
+    def _one_kind(self) -> SearchDimension:
+        if self.choices is not None:
+            if not self.choices or self.low is not None or self.high is not None:
+                raise ValueError("give either a non-empty `choices` list or `low` and `high`")
+            return self
+        if self.low is None or self.high is None:
+            raise ValueError("give either a non-empty `choices` list or `low` and `high`")
+        if not self.low < self.high:
+            raise ValueError(f"low ({self.low}) must be below high ({self.high})")
+        if self.log and self.low <= 0:
+            raise ValueError("a log-scale range needs low > 0")
+        if self.log and self.step is not None:
+            raise ValueError("`step` cannot be combined with `log`")
+        return self
+
+    @property
+    def is_int(self) -> bool:
+        """Whether a range is searched over integers (both bounds are ints)."""
+        return isinstance(self.low, int) and isinstance(self.high, int)
+
+    def values_to_check(self) -> list[Any]:
+        """The values whose validity stands for all: every choice, or both bounds."""
+        return list(self.choices) if self.choices is not None else [self.low, self.high]
+
+
+class TuneConfig(_Strict):
+    """`recsys tune`: hyper-parameter search on the validation split (never the test split)."""
+
+    # Validation metric maximised; also the early-stopping metric of the trials and of the
+    # written config, so the nightly keeps the epoch the search judged by.
+    metric: str = Field("ndcg_at_10", pattern=r"^(recall|ndcg|mrr)_at_\d+$")
+    trials: int = Field(20, ge=1)
+    timeout_seconds: float | None = Field(None, gt=0)
+    # median: stop a trial whose validation metric after an epoch is below the median of the
+    # earlier trials at that epoch (Optuna MedianPruner); none: every trial runs to the end.
+    pruner: Literal["median", "none"] = "median"
+    startup_trials: int = Field(3, ge=0)  # trials never pruned (the median needs some)
+    warmup_epochs: int = Field(1, ge=0)  # epochs of a trial before it may be pruned
+    seed: int = 0
+    # Dotted config key (model.* or training.*) -> its search range; new settings of the model
+    # become searchable by adding an entry.
+    space: dict[str, SearchDimension] = Field(
+        default_factory=lambda: {
+            k: SearchDimension.model_validate(v) for k, v in DEFAULT_TUNE_SPACE.items()
+        }
+    )
+
+
 class RecsysConfig(_Strict):
     """The whole configuration of one nightly run."""
 
@@ -442,22 +534,45 @@ class RecsysConfig(_Strict):
     export: ExportConfig = ExportConfig()
     gate: GateConfig = GateConfig()
     nightly: NightlyConfig = NightlyConfig()
+    tune: TuneConfig = TuneConfig()
 
     @field_validator("model_name")
     @classmethod
     def _plain_model_name(cls, value: str) -> str:
         return safe_name(value)
 
+    @model_validator(mode="after")
+    def _tunable_space(self) -> RecsysConfig:
+        for key, dimension in self.tune.space.items():
+            section, _, name = key.partition(".")
+            if section not in TUNABLE_SECTIONS or "." in name:
+                raise ValueError(
+                    f"tune.space key {key!r} must be model.<setting> or training.<setting>"
+                )
+            current = getattr(self, section)
+            if name not in type(current).model_fields:
+                raise ValueError(f"tune.space key {key!r}: {section} has no setting {name!r}")
+            for value in dimension.values_to_check():
+                try:
+                    type(current).model_validate({**current.model_dump(), name: value})
+                except ValidationError as exc:
+                    reason = exc.errors()[0]["msg"]
+                    raise ValueError(
+                        f"tune.space {key}: value {value!r} is invalid: {reason}"
+                    ) from None
+        return self
+
     def flat(self) -> dict[str, Any]:
-        """The config as dotted keys (MLflow params)."""
-        return _flatten(self.model_dump(mode="json"))
+        """The config as dotted keys (MLflow params), without `tune` (it changes no run)."""
+        return _flatten(self.model_dump(mode="json", exclude={"tune"}))
 
     def digest(self) -> str:
         """A stable hash of the config: same settings, same digest."""
         # Credentials are left out (environment-independent redaction): the digest is a public
         # tag, a guessable password must not be testable against it, and rotating a password
         # must not make a new run identity.
-        dump = redact_tree(self.model_dump(mode="json"), environ={})
+        # The search space of `recsys tune` changes no nightly run: not part of its identity.
+        dump = redact_tree(self.model_dump(mode="json", exclude={"tune"}), environ={})
         canonical = json.dumps(dump, sort_keys=True)
         return hashlib.sha256(canonical.encode()).hexdigest()[:16]
 

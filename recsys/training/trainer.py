@@ -23,7 +23,7 @@ from recsys.core import schema
 from recsys.core.config import EvaluationConfig, RecsysConfig, TrainingConfig
 from recsys.core.errors import ConfigError, OutOfMemoryError, StorageError, storage_errno
 from recsys.core.layout import DataFile
-from recsys.data_io import load_split
+from recsys.data_io import iter_split, load_split
 from recsys.model import (
     ItemFeatures,
     TrainedModel,
@@ -34,6 +34,7 @@ from recsys.model import (
 )
 from recsys.training.dataset import in_memory_bytes, in_memory_dataset, training_dataset
 from recsys.training.keras_backup_adapter import BackupEveryStepsAndEpoch
+from recsys.training.lazy_adam import LazyAdam
 from recsys.training.memory import check_memory
 from recsys.training.parameter_servers import (
     is_parameter_server,
@@ -247,6 +248,8 @@ def make_optimizer(config: TrainingConfig, precision: str) -> tf.keras.optimizer
     """The configured optimizer; wrapped in dynamic loss scaling for float16."""
     if config.optimizer == "adagrad":
         optimizer = tf.keras.optimizers.Adagrad(config.learning_rate)
+    elif config.optimizer == "lazy_adam":
+        optimizer = LazyAdam(config.learning_rate)
     else:
         optimizer = tf.keras.optimizers.Adam(config.learning_rate)
     if precision == "mixed_float16":
@@ -398,7 +401,13 @@ def validation_callback(
     validation = load_split(data_dir, "validation")
     if not len(validation[schema.USER_ID]):
         return None
-    eval_set = ev.build_eval_set(trained.items, validation, [load_split(data_dir, "train")])
+    # The same user sample as the test evaluation: exact ranking of every validation user
+    # over the catalog each epoch is the cost that sampling bounds.
+    validation = ev.sample_rows(
+        validation, config.evaluation.sample_users, config.evaluation.sample_seed
+    )
+    ids = (schema.USER_ID, schema.ITEM_ID)
+    eval_set = ev.build_eval_set(trained.items, validation, iter_split(data_dir, "train", ids))
     histories = list(validation[schema.HISTORY]) if schema.HISTORY in validation else None
     tc = config.training
     return ValidationRecall(
@@ -467,18 +476,20 @@ def train(
         )
     callbacks.append(EpochLogger(tc.epochs))  # last: it logs what the others added
     callbacks += extra
+    cap = tc.max_steps_per_epoch or None
     start = time.perf_counter()
     try:
         history = model.fit(
             train_ds,
             epochs=tc.epochs,
-            validation_data=val_ds,
-            callbacks=callbacks,
-            verbose=0,
             # Workers repeat their pipelines: the coordinator counts the steps of an epoch.
             steps_per_epoch=_steps(stats["splits"]["train"], tc.batch_size, False)
             if is_parameter_server(strategy)
-            else None,
+            else _capped(cap, train_ds),
+            validation_data=val_ds,
+            validation_steps=None if val_ds is None else _capped(cap, val_ds),
+            callbacks=callbacks,
+            verbose=0,
         )
     except tf.errors.ResourceExhaustedError as exc:
         # TensorFlow reports a full disk (a checkpoint write) with the same error type.
@@ -499,7 +510,7 @@ def train(
     return TrainResult(
         model=trained,
         history={k: [float(v) for v in vs] for k, vs in history.history.items()},
-        examples=int(stats["splits"]["train"]) * epochs_run,
+        examples=_examples_per_epoch(stats["splits"]["train"], tc) * epochs_run,
         seconds=seconds,
         strategy=_strategy_name(strategy),
         replicas=replicas,
@@ -513,6 +524,19 @@ def train(
         jit_compile=jit,
         cached=cached,
     )
+
+
+def _capped(cap: int | None, ds: tf.data.Dataset) -> int | None:
+    """Steps per pass under the step budget (None: the whole dataset)."""
+    steps = int(ds.cardinality())
+    return cap if cap is not None and 0 < cap < steps else None
+
+
+def _examples_per_epoch(train_rows: int, tc: TrainingConfig) -> int:
+    """Training examples one epoch sees: the split, or the step budget's batches."""
+    if tc.max_steps_per_epoch:
+        return min(int(train_rows), tc.max_steps_per_epoch * tc.batch_size)
+    return int(train_rows)
 
 
 def use_cache(

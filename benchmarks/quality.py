@@ -1,0 +1,570 @@
+"""Model quality on any interaction log, under the protocol of ../shared/DESIGN.md.
+
+For one or more datasets (`ml-100k`, `amazon-beauty` from ../shared/data, or a CSV path with
+user/item/timestamp columns) the log is split by `benchmarks.protocol` (leave-last-out by
+(timestamp, numeric item id)), and every model ranks the whole catalog for every test user
+with the user's non-test items removed:
+
+- popularity (training counts), EASE (lambda chosen on validation NDCG@10, refitted on
+  train + validation), implicit ALS (factors/reg/alpha chosen on validation, refitted per
+  seed), each fitted on the training rows only while validating;
+- SASRec (`benchmarks.sasrec`, full-softmax cross-entropy at every position), lightly tuned
+  on validation NDCG@10 with seed 0 (one setting changed at a time from the literature's
+  per-dataset start), then trained with the other seeds; the test query is the sequence
+  including the validation item;
+- ours: the project's pipeline (Beam preprocess -> train -> export, `conductor.stages`) on the
+  log WITHOUT the test rows, with `configs/default.yaml` whose data section alone is
+  replaced (plus `training.seed` per seed); scored as an outside scorer would, from the
+  exported users.parquet (each user's vector from their latest history in the log given to
+  the pipeline) and items.parquet. Optionally the same with a tuned config (`--tuned`).
+
+Each (model, seed) result is written to the results JSON as soon as it exists, so a run can
+be resumed (`--resume`) or split across invocations; `--table` prints the markdown tables.
+
+Usage:
+    .venv/bin/python benchmarks/quality.py --data ml-100k amazon-beauty --seeds 0 1 2
+    .venv/bin/python benchmarks/quality.py --data ml-100k --table
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import datetime as dt
+import json
+import logging
+import os
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+# Run as a script, the repository root (home of the benchmarks package) is not on the path.
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from recsys.core.tf_env import set_tf_env
+
+set_tf_env()  # before TensorFlow's first import, below: TFRS needs Keras 2
+
+# isort: split
+import numpy as np
+import yaml
+
+from benchmarks import protocol, sasrec
+from conductor import stages
+from recsys import baselines, tuning
+from recsys import evaluation as ev
+from recsys.core.config import EvaluationConfig, parse_config
+from recsys.core.layout import Workdir
+from serving_export.embeddings import read_embeddings
+
+REPO = Path(__file__).resolve().parent.parent
+RESULTS = REPO / "benchmarks" / "results"
+EVAL = EvaluationConfig()
+REPORTED = stages.REPORTED_METRICS
+MODELS = ("popularity", "ease", "als", "sasrec", "ours", "ours_tuned")
+log = logging.getLogger("quality")
+
+
+def _metrics(score_fn: ev.ScoreFn, data: ev.EvalSet) -> dict[str, float]:
+    result = ev.evaluate(score_fn, data, EVAL).metrics
+    return {k: round(result[k], 4) for k in REPORTED}
+
+
+class Bench:
+    """One dataset's split, evaluation sets and matrices, shared by every model."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.log = protocol.read_log(name)
+        self.split = protocol.leave_last_out(self.log)
+        self.val_rows, self.val_set = protocol.eval_set(self.split, "validation")
+        self.test_rows, self.test_set = protocol.eval_set(self.split, "test")
+        n_users, n_items = len(self.split.users), len(self.split.catalog)
+        all_users = list(range(n_users))
+        self.train_x = baselines.sparse_interactions(
+            *protocol.interactions(self.split, all_users, False), n_users, n_items
+        )
+        self.trainval_x = baselines.sparse_interactions(
+            *protocol.interactions(self.split, all_users, True), n_users, n_items
+        )
+
+    def summary(self) -> dict[str, Any]:
+        """Sizes of the split, for the results file."""
+        last_second_ties = _users_with_last_second_ties(self.log)
+        return {
+            "source": self.log.source,
+            "rows": len(self.log.users),
+            "users": len(self.split.users),
+            "catalog": len(self.split.catalog),
+            "validation_users": len(self.val_rows),
+            "test_users": len(self.test_rows),
+            "test_items_outside_catalog": int((self.test_set.targets < 0).sum()),
+            "tie_order": "numeric item id" if self.split.numeric else "string item id",
+            "users_with_last_second_ties": last_second_ties,
+        }
+
+    def sequences(self, rows: list[int], with_validation: bool) -> list[np.ndarray]:
+        """The users' catalog-index sequences in protocol order."""
+        return [self.split.sequence(u, with_validation) for u in rows]
+
+
+def _users_with_last_second_ties(log: protocol.Log) -> int:
+    """Users whose last two events share a timestamp: the tie order picks their test item."""
+    order = protocol.protocol_order(log)
+    users, stamps = log.users[order], log.timestamps[order]
+    last = np.r_[users[1:] != users[:-1], True]
+    same_as_before = np.r_[False, (users[1:] == users[:-1]) & (stamps[1:] == stamps[:-1])]
+    return int((last & same_as_before).sum())
+
+
+# --- baselines -------------------------------------------------------------------------------
+
+
+def run_popularity(b: Bench, seed: int) -> dict[str, Any]:
+    """Training (+ validation) interaction counts as every user's scores."""
+    val = _metrics(ev.popularity_scores(_counts(b.train_x)), b.val_set)
+    test = _metrics(ev.popularity_scores(_counts(b.trainval_x)), b.test_set)
+    return {"validation": val, "test": test}
+
+
+def _counts(x: Any) -> np.ndarray:
+    return np.asarray(x.sum(axis=0)).ravel()
+
+
+def ease_grid(num_items: int) -> tuple[float, ...]:
+    """Lambdas tried; large catalogs get fewer (one dense items x items inverse each)."""
+    return (50.0, 100.0, 200.0, 400.0, 800.0, 1600.0) if num_items <= 5000 else (50.0, 200.0, 800.0)
+
+
+def run_ease(b: Bench, seed: int) -> dict[str, Any]:
+    """EASE: lambda on validation (fit on training rows), refit on train + validation."""
+    tried = {}
+    for l2 in ease_grid(len(b.split.catalog)):
+        weights = baselines.ease_weights(b.train_x, l2)
+        tried[l2] = _metrics(baselines.ease_scores(b.train_x[b.val_rows], weights), b.val_set)
+        log.info("%s ease lambda %g: %s", b.name, l2, tried[l2])
+    best = max(tried, key=lambda k: tried[k]["ndcg_at_10"])
+    weights = baselines.ease_weights(b.trainval_x, best)
+    test = _metrics(baselines.ease_scores(b.trainval_x[b.test_rows], weights), b.test_set)
+    return {"lambda": best, "validation": tried[best], "grid": tried, "test": test}
+
+
+def als_grid(num_items: int) -> list[tuple[int, float, float]]:
+    """(factors, reg, alpha) tried; each fit is a Python loop of exact solves."""
+    factors = 128 if num_items <= 5000 else 64
+    return [(factors, r, a) for r in (1.0, 10.0) for a in (5.0, 20.0)]
+
+
+_ALS_CHOICE: dict[str, tuple[tuple[int, float, float], dict[str, Any]]] = {}
+
+
+def run_als(b: Bench, seed: int) -> dict[str, Any]:
+    """Implicit ALS: settings on validation (seed 0), then a train+validation fit per seed."""
+    if b.name not in _ALS_CHOICE:
+        tried = {}
+        for f, r, a in als_grid(len(b.split.catalog)):
+            _, items = baselines.als_factors(b.train_x, f, r, a, iterations=10, seed=0)
+            scores = baselines.als_scores(b.train_x[b.val_rows], items, r, a)
+            tried[(f, r, a)] = _metrics(scores, b.val_set)
+            log.info("%s als %s: %s", b.name, (f, r, a), tried[(f, r, a)])
+        best = max(tried, key=lambda k: tried[k]["ndcg_at_10"])
+        _ALS_CHOICE[b.name] = (best, {str(k): v for k, v in tried.items()})
+    (f, r, a), grid = _ALS_CHOICE[b.name]
+    _, items = baselines.als_factors(b.trainval_x, f, r, a, iterations=10, seed=seed)
+    test = _metrics(baselines.als_scores(b.trainval_x[b.test_rows], items, r, a), b.test_set)
+    return {
+        "factors": f, "reg": r, "alpha": a, "validation": grid[str((f, r, a))],
+        "grid": grid, "test": test,
+    }  # fmt: skip
+
+
+# --- SASRec ----------------------------------------------------------------------------------
+
+
+def sasrec_start(b: Bench, max_epochs: int) -> sasrec.Settings:
+    """The literature's per-dataset start (Kang and McAuley: L=200 dense, L=50 sparse)."""
+    lengths = [len(s) for s in b.split.train]
+    dense = float(np.mean(lengths)) >= 50
+    return sasrec.Settings(
+        hidden=64, blocks=2, dropout=0.2 if dense else 0.5, max_length=200 if dense else 50,
+        learning_rate=1e-3, batch_size=128, max_epochs=max_epochs,
+    )  # fmt: skip
+
+
+def sasrec_candidates(start: sasrec.Settings) -> list[sasrec.Settings]:
+    """The start, then one setting changed at a time (a light coordinate search)."""
+
+    other_dropout = 0.5 if start.dropout < 0.5 else 0.2
+    other_length = 50 if start.max_length > 50 else 200
+    return [
+        start,
+        replace(start, learning_rate=3e-3),
+        replace(start, dropout=other_dropout),
+        replace(start, hidden=128),
+        replace(start, blocks=1),
+        replace(start, max_length=other_length),
+    ]
+
+
+def run_sasrec(b: Bench, seed: int, results: dict[str, Any], args: Any) -> dict[str, Any]:
+    """Tuning (seed 0, stored under sasrec_tuning) then the chosen settings with `seed`.
+
+    Every tuning fit also records its test metrics, so that the chosen one (by validation
+    NDCG@10 only) is seed 0's result without a refit, also when the candidates ran in
+    separate processes (`--sasrec-candidates`, merged by `--merge`).
+    """
+
+    tuning = results.setdefault("sasrec_tuning", {})
+    validation = (b.sequences(b.val_rows, False), b.val_set)
+    train = b.sequences(list(range(len(b.split.users))), False)
+    test_queries = b.sequences(b.test_rows, True)
+    n = len(b.split.catalog)
+    candidates = sasrec_candidates(sasrec_start(b, args.sasrec_max_epochs))
+    chosen_indices = args.sasrec_candidates or range(args.sasrec_trials)
+    for s in [candidates[i] for i in chosen_indices]:
+        if s.label() in tuning:
+            continue
+        trainer, info = sasrec.fit(n, train, validation, s)
+        info["test"] = _metrics(trainer.scores(test_queries), b.test_set)
+        tuning[s.label()] = info
+        log.info("%s sasrec %s: %s", b.name, s.label(), info["validation_ndcg_at_10"])
+        _save(args, results)
+    label = max(tuning, key=lambda k: tuning[k]["validation_ndcg_at_10"])
+    chosen = replace(sasrec.Settings(**tuning[label]["settings"]), seed=seed)
+    if chosen.seed == tuning[label]["settings"]["seed"]:
+        info = tuning[label]  # this very fit
+    else:
+        trainer, info = sasrec.fit(n, train, validation, chosen)
+        info["test"] = _metrics(trainer.scores(test_queries), b.test_set)
+    return {
+        **info, "label": chosen.label(),
+        "validation": {"ndcg_at_10": info["validation_ndcg_at_10"]},
+    }  # fmt: skip
+
+
+# --- ours: the project's pipeline, scored from its exported Parquet --------------------------
+
+
+def pipeline_config(b: Bench, base: Path, log_csv: Path, seed: int) -> dict[str, Any]:
+    """`base` with its data section replaced by the benchmark's log (and the seed set)."""
+    raw = yaml.safe_load(base.read_text()) or {}
+    data: dict[str, Any] = {"source": "csv", "path": str(log_csv)}
+    item_file = Path(b.log.source).parent / "u.item"
+    if Path(b.log.source).name == "u.data" and item_file.is_file():
+        data["items"] = {"path": str(item_file), "format": "movielens-100k"}
+    raw["data"] = data
+    raw.setdefault("training", {})["seed"] = seed
+    return raw
+
+
+def write_log_without_test(b: Bench, path: Path) -> dt.date:
+    """The log minus every test row, as the CSV the pipeline reads; returns the run date."""
+    keep = ~b.split.test_rows
+    with path.open("w", newline="") as f:
+        writer = csv.writer(f)
+        writer.writerow(["user_id", "item_id", "timestamp"])
+        writer.writerows(
+            zip(b.log.users[keep], b.log.items[keep], b.log.timestamps[keep], strict=True)
+        )
+    last = int(b.log.timestamps[keep].max())
+    return dt.datetime.fromtimestamp(last, dt.UTC).date()
+
+
+class Ours:
+    """The project's stages on the log without test rows; one data folder, a run per seed."""
+
+    def __init__(self, b: Bench, root: Path) -> None:
+        self.b, self.root = b, root
+        root.mkdir(parents=True, exist_ok=True)
+        self.log_csv = root / "log.csv"
+        self.date = write_log_without_test(b, self.log_csv)
+        self.workdir = Workdir(root / "work")
+        self.data: dict[str, Path] = {}
+
+    def run(self, base: Path, seed: int) -> dict[str, Any]:
+        """Preprocess (once per config), train, export; score from the Parquet files."""
+        config = parse_config(pipeline_config(self.b, base, self.log_csv, seed), str(base))
+        key = config.model_copy(update={"training": config.training.model_copy(
+            update={"seed": 0})}).digest()  # fmt: skip
+        if key not in self.data:
+            self.data[key], _ = stages.preprocess(
+                config, self.workdir, self.date, output=self.root / f"data-{key}"
+            )
+        start = time.perf_counter()
+        run_dir, result = stages.train(config, self.workdir, self.date, self.data[key])
+        train_seconds = time.perf_counter() - start
+        exported = stages.export(config, self.workdir, self.date, run_dir.name, verify=False)
+        scores, missing = self.parquet_scores(exported.embeddings)
+        return {
+            "config": str(base.relative_to(REPO) if base.is_relative_to(REPO) else base),
+            "seed": seed,
+            "examples_per_second": round(result.steady_examples_per_second),
+            "seconds_per_epoch": round(float(np.median(result.epoch_seconds)), 2),
+            "train_seconds": round(train_seconds, 1),
+            "epochs_run": len(result.epoch_seconds),
+            "best_epoch": result.best_epoch,
+            "export_version": exported.version,
+            "test_users_missing_from_users_parquet": missing["users"],
+            "catalog_items_missing_from_items_parquet": missing["items"],
+            "test": _metrics(scores, self.b.test_set),
+        }
+
+    def tune(self, base: Path, trials: int, keep: Path) -> tuple[Path, dict[str, Any]]:
+        """`recsys tune`'s library call on this log (its validation split; test rows absent).
+
+        Returns the tuned config to train with and a summary; `keep` gets the winner as a
+        config with `base`'s own data section (the tuned settings, reusable elsewhere).
+        """
+        raw = pipeline_config(self.b, base, self.log_csv, seed=0)
+        config = parse_config(raw, str(base))
+        prepared = tuning.preprocess_config(config)
+        data_dir, _ = stages.preprocess(
+            prepared, self.workdir, self.date, output=self.root / "tune-data"
+        )
+        tuned = self.root / "tuned.yaml"
+        result = tuning.tune(
+            config, data_dir, tuned, workdir=self.workdir.root, trials=trials, base_yaml=raw
+        )
+        original = yaml.safe_load(base.read_text()) or {}
+        tuning.write_config(
+            parse_config(original, str(base)), result.best_params, keep, original,
+            f"recsys tune on {self.b.name} without its test rows ({trials} trials, validation "
+            f"{config.tune.metric} {result.best_value:.4f}); data section of {base.name}",
+        )  # fmt: skip
+        summary = {
+            "trials": trials, "states": result.states, "best_params": result.best_params,
+            f"validation_{config.tune.metric}": round(result.best_value, 4),
+            "seconds": round(result.seconds), "config": str(keep.relative_to(REPO)),
+        }  # fmt: skip
+        return tuned, summary
+
+    def parquet_scores(self, files: dict[str, Path]) -> tuple[ev.ScoreFn, dict[str, int]]:
+        """Test users' vectors from users.parquet against items.parquet, in catalog order.
+
+        A catalog item the export lacks (seen only in rows the pipeline held out) gets -inf:
+        it cannot be retrieved. A test user the export lacks would score zeros (counted).
+        """
+        user_ids, user_vectors, _ = read_embeddings(files["users"])
+        item_ids, item_vectors, _ = read_embeddings(files["items"])
+        user_row = {u: i for i, u in enumerate(user_ids)}
+        item_row = {i: r for r, i in enumerate(item_ids)}
+        dim = item_vectors.shape[1]
+        queries = np.zeros((len(self.b.test_set.users), dim), np.float32)
+        missing_users = 0
+        for r, u in enumerate(self.b.test_set.users):
+            if u in user_row:
+                queries[r] = user_vectors[user_row[u]]
+            else:
+                missing_users += 1
+        cols = np.array([item_row.get(i, -1) for i in self.b.split.catalog])
+        items = item_vectors[np.maximum(cols, 0)]
+        absent = cols < 0
+        base = ev.dot_product_scores(queries, items)
+
+        def scores(rows: np.ndarray) -> np.ndarray:
+            out = base(rows)
+            out[:, absent] = -np.inf
+            return out
+
+        scores.returns_fresh_arrays = True  # type: ignore[attr-defined]
+        return scores, {"users": missing_users, "items": int(absent.sum())}
+
+
+# --- driver ----------------------------------------------------------------------------------
+
+
+def _save(args: Any, results: dict[str, Any]) -> None:
+    path = Path(args.current_out)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(results, indent=2, default=str) + "\n")
+    tmp.replace(path)
+
+
+def out_path(name: str, out: str | None) -> Path:
+    """benchmarks/results/quality_<dataset>.json unless given."""
+    if out:
+        return Path(out)
+    stem = Path(name).stem if name not in protocol.NAMED else name
+    return RESULTS / f"quality_{stem.replace('-', '_')}.json"
+
+
+def run_dataset(name: str, args: Any) -> dict[str, Any]:
+    """Every requested model and seed on one dataset; results saved as they come."""
+    args.current_out = out_path(name, args.out if len(args.data) == 1 else None)
+    results: dict[str, Any] = {}
+    if args.resume and Path(args.current_out).is_file():
+        results = json.loads(Path(args.current_out).read_text())
+    b = Bench(name)
+    results["dataset"] = name
+    results["protocol"] = (
+        "leave-last-out per user by (timestamp, item id), users with >= 5 events; test item "
+        "ranked against the whole catalog (items of non-test rows) with the user's non-test "
+        "items removed; validation item (training items removed) for every choice"
+    )
+    results["data"] = b.summary()
+    results["command"] = "python benchmarks/quality.py " + " ".join(sys.argv[1:])
+    runs = results.setdefault("runs", {})
+    with tempfile.TemporaryDirectory(prefix="quality-") as tmp:
+        ours: Ours | None = None
+        tuned: Path | None = None
+        for model in args.models:
+            for seed in args.seeds:
+                key = f"{model}/seed{seed}"
+                if key in runs:
+                    continue
+                if model in ("popularity", "ease") and seed != args.seeds[0]:
+                    continue  # deterministic: one fit is every seed's result
+                if model == "ours_tuned" and not (args.tuned or args.tune_trials):
+                    continue
+                log.info("%s: %s", name, key)
+                start = time.perf_counter()
+                try:
+                    if model in ("ours", "ours_tuned"):
+                        ours = ours or Ours(b, Path(tmp))
+                        base = Path(args.config)
+                        if model == "ours_tuned" and args.tuned:
+                            base = Path(args.tuned)
+                        elif model == "ours_tuned":
+                            if tuned is None:
+                                keep = RESULTS / f"tuned_{out_path(name, None).stem[8:]}.yaml"
+                                tuned, results["tune"] = ours.tune(
+                                    Path(args.config), args.tune_trials, keep
+                                )
+                                _save(args, results)
+                            base = tuned
+                        out = ours.run(base, seed)
+                    elif model == "sasrec":
+                        out = run_sasrec(b, seed, results, args)
+                    else:
+                        runner: Callable[[Bench, int], dict[str, Any]] = globals()[f"run_{model}"]
+                        out = runner(b, seed)
+                except Exception as exc:  # one failed model must not cost the others' results
+                    log.exception("%s %s failed", name, key)
+                    results.setdefault("errors", {})[key] = f"{type(exc).__name__}: {exc}"
+                    _save(args, results)
+                    continue
+                out["wall_seconds"] = round(time.perf_counter() - start, 1)
+                out["load_average_1min"] = round(os.getloadavg()[0], 1)
+                runs[key] = out
+                results.get("errors", {}).pop(key, None)
+                log.info("%s %s test %s", name, key, out["test"])
+                _save(args, results)
+    results["finished"] = dt.datetime.now(dt.UTC).isoformat(timespec="seconds")
+    _save(args, results)
+    return results
+
+
+def merge(paths: list[Path]) -> dict[str, Any]:
+    """One dataset's results from several processes' JSON files (first file's header).
+
+    SASRec's seed-0 result is re-chosen among all candidates by validation NDCG@10, and
+    other seeds' SASRec runs are kept only when they used the chosen settings.
+    """
+    parts = [json.loads(p.read_text()) for p in paths]
+    merged = {k: v for k, v in parts[0].items() if k not in ("runs", "errors")}
+    merged["runs"], merged["errors"], merged["merged_from"] = {}, {}, [str(p) for p in paths]
+    merged["commands"] = sorted({p["command"] for p in parts if "command" in p})
+    tuning: dict[str, Any] = {}
+    for part in parts:
+        for key, run in part.get("runs", {}).items():
+            merged["runs"].setdefault(key, run)
+        merged["errors"].update(part.get("errors", {}))
+        tuning.update(part.get("sasrec_tuning", {}))
+        if "tune" in part:
+            merged["tune"] = part["tune"]
+    merged["errors"] = {k: v for k, v in merged["errors"].items() if k not in merged["runs"]}
+    if tuning:
+        merged["sasrec_tuning"] = tuning
+        best = max(tuning, key=lambda k: tuning[k]["validation_ndcg_at_10"])
+        runs = merged["runs"]
+        for key in [k for k in runs if k.startswith("sasrec/") and runs[k]["label"] != best]:
+            del runs[key]
+        runs["sasrec/seed0"] = {
+            **tuning[best], "label": best,
+            "validation": {"ndcg_at_10": tuning[best]["validation_ndcg_at_10"]},
+        }  # fmt: skip
+    return merged
+
+
+def table(results: dict[str, Any]) -> str:
+    """Markdown: mean (and spread over seeds) of every reported metric per model."""
+    names = {
+        "popularity": "popularity", "ease": "EASE", "als": "implicit ALS",
+        "sasrec": "SASRec (full-softmax CE)", "ours": "ours, default config",
+        "ours_tuned": "ours, tuned config",
+    }  # fmt: skip
+    header = "| model | seeds | " + " | ".join(REPORTED) + " |"
+    lines = [header, "|---|---:|" + "---:|" * len(REPORTED)]
+    runs = results.get("runs", {})
+    for model, label in names.items():
+        per_seed = [v for k, v in runs.items() if k.split("/")[0] == model]
+        if not per_seed:
+            continue
+        cells = []
+        for metric in REPORTED:
+            values = [r["test"][metric] for r in per_seed]
+            mean = statistics.fmean(values)
+            spread = f" ± {statistics.stdev(values):.4f}" if len(values) > 1 else ""
+            cells.append(f"{mean:.4f}{spread}")
+        lines.append(f"| {label} | {len(per_seed)} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def main() -> int:
+    """Parse the arguments and run (or tabulate) each dataset."""
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument(
+        "--data", nargs="+", default=["ml-100k"], help="ml-100k, amazon-beauty, or a path"
+    )
+    parser.add_argument(
+        "--models", nargs="+", default=list(MODELS[:-1]), choices=MODELS, help="in this order"
+    )
+    parser.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2])
+    parser.add_argument("--config", default=str(REPO / "configs" / "default.yaml"))
+    parser.add_argument(
+        "--tuned", help="a tuned config for ours_tuned (its data section is replaced)"
+    )
+    parser.add_argument(
+        "--tune-trials", type=int, default=0,
+        help="ours_tuned without --tuned: run recsys tune's search (N trials) on the log first",
+    )  # fmt: skip
+    parser.add_argument("--sasrec-trials", type=int, default=6, help="SASRec settings tried (<= 6)")
+    parser.add_argument("--sasrec-max-epochs", type=int, default=200)
+    parser.add_argument(
+        "--sasrec-candidates", nargs="+", type=int,
+        help="indices of the SASRec settings to try in this process (default: the first N)",
+    )  # fmt: skip
+    parser.add_argument("--out", help="results JSON (one dataset only)")
+    parser.add_argument("--resume", action="store_true", help="keep results already in the JSON")
+    parser.add_argument("--table", action="store_true", help="print the tables of saved results")
+    parser.add_argument(
+        "--merge", nargs="+", help="merge these results files of one dataset into --out"
+    )
+    args = parser.parse_args()
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    for noisy in ("apache_beam", "absl", "tensorflow", "recsys", "beam_jobs", "serving_export"):
+        logging.getLogger(noisy).setLevel(logging.WARNING)
+    if args.merge:
+        merged = merge([Path(p) for p in args.merge])
+        args.current_out = out_path(args.data[0], args.out)
+        _save(args, merged)
+        print(table(merged))
+        return 0
+    for name in args.data:
+        if args.table:
+            results = json.loads(out_path(name, args.out).read_text())
+        else:
+            results = run_dataset(name, args)
+        print(f"\n{name}: {results['data']}\n{results.get('command', '')}\n")
+        print(table(results))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,400 @@
+"""Hyper-parameter search on the validation split, tracked in MLflow (`recsys tune`).
+
+Optuna's TPE sampler proposes the settings of `tune.space` (dotted model.* / training.*
+keys); each trial trains the two-tower model on the train split with the exact validation
+metric `tune.metric` computed after every epoch (`recsys.training.trainer`, which reads the
+train and validation splits only). Each epoch's value is reported to Optuna, whose median
+pruner stops a trial that is below the median of the earlier trials at the same epoch. A
+trial's value is what the nightly would keep: the best epoch's metric when early stopping
+keeps the best epoch, else the last epoch's. Every trial is an MLflow child run (per-epoch
+curve, its settings, its outcome) under one parent run holding the search space and the
+winner; the winner is written as a config YAML the nightly uses as it is.
+"""
+
+from __future__ import annotations
+
+import copy
+import datetime as dt
+import json
+import logging
+import os
+import time
+from contextlib import suppress
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import optuna
+import requests
+import tensorflow as tf
+import yaml
+from mlflow import MlflowClient
+from mlflow.entities import Metric, Param, RunStatus
+from mlflow.exceptions import MlflowException
+from mlflow.utils.mlflow_tags import MLFLOW_PARENT_RUN_ID, MLFLOW_RUN_NAME
+
+from recsys.core.config import RecsysConfig, SearchDimension, parse_config
+from recsys.core.errors import DataError, OutOfMemoryError, StageFailedError, TrackingError
+from recsys.core.layout import DataFile
+from recsys.tracking import runs as tracking
+from recsys.training.trainer import train
+
+log = logging.getLogger(__name__)
+
+KIND_TAG = "recsys.kind"
+# What MLflow's client raises when its store cannot be reached or written (as recsys.tracking).
+_TRACKING_FAILURES = (MlflowException, requests.RequestException, OSError)
+STATE_TAG = "recsys.trial_state"
+
+
+def tune_experiment(config: RecsysConfig) -> str:
+    """The MLflow experiment of a model's searches, next to (not inside) its nightly runs."""
+    return f"{tracking.experiment_name(config)}-tune"
+
+
+def preprocess_config(config: RecsysConfig) -> RecsysConfig:
+    """The config to preprocess the tuning data with: histories long enough for every trial."""
+    longest = max(config.preprocess.history_length, _largest(config, "model.history_length"))
+    return set_values(config, {"preprocess.history_length": longest})
+
+
+def _largest(config: RecsysConfig, key: str) -> int:
+    dimension = config.tune.space.get(key)
+    return 0 if dimension is None else int(max(dimension.values_to_check()))
+
+
+def set_values(config: RecsysConfig, values: dict[str, Any]) -> RecsysConfig:
+    """A validated copy of `config` with dotted keys set (e.g. {"model.embedding_dim": 32})."""
+    raw = config.model_dump(mode="json")
+    for key, value in values.items():
+        _set_dotted(raw, key, value)
+    return parse_config(raw, source="tuned settings")
+
+
+def _set_dotted(tree: dict[str, Any], key: str, value: Any) -> None:
+    *parents, name = key.split(".")
+    for part in parents:
+        tree = tree.setdefault(part, {})
+    tree[name] = value
+
+
+def trial_config(config: RecsysConfig, params: dict[str, Any]) -> RecsysConfig:
+    """The config one trial trains with: `params` set, early stopping on the tuned metric."""
+    values = {**params, "training.early_stopping_metric": config.tune.metric}
+    history = params.get("model.history_length", config.model.history_length)
+    values["preprocess.history_length"] = max(config.preprocess.history_length, int(history))
+    return set_values(config, values)
+
+
+def suggest(trial: optuna.Trial, space: dict[str, SearchDimension]) -> dict[str, Any]:
+    """One trial's settings, sampled from the search space."""
+    params: dict[str, Any] = {}
+    for key, d in space.items():
+        if d.choices is not None:
+            params[key] = trial.suggest_categorical(key, d.choices)
+        elif d.is_int:
+            step = int(d.step or 1)
+            params[key] = trial.suggest_int(key, int(d.low), int(d.high), step=step, log=d.log)
+        else:
+            params[key] = trial.suggest_float(key, d.low, d.high, step=d.step, log=d.log)
+    return params
+
+
+class _Reporter(tf.keras.callbacks.Callback):
+    """After each epoch: the validation metric to Optuna and to the trial's MLflow run.
+
+    Runs after the trainer's validation callback, which put `val_<metric>` in the logs.
+    A trial the pruner rejects stops training at the end of that epoch.
+    """
+
+    def __init__(self, trial: optuna.Trial, client: MlflowClient, run_id: str, metric: str) -> None:
+        super().__init__()
+        self.trial, self.client, self.run_id, self.key = trial, client, run_id, f"val_{metric}"
+        self.values: list[float] = []
+        self.pruned = False
+
+    def on_epoch_end(self, epoch: int, logs: dict[str, float] | None = None) -> None:
+        logs = logs or {}
+        if self.key not in logs:
+            raise StageFailedError(f"training reported no {self.key}: is the validation empty?")
+        value = float(logs[self.key])
+        self.values.append(value)
+        now = int(time.time() * 1000)
+        metrics = [Metric(k, float(v), now, epoch) for k, v in logs.items() if k in _CURVES]
+        metrics.append(Metric(self.key, value, now, epoch))
+        with tracking.bounded_http_retries():
+            self.client.log_batch(self.run_id, metrics=metrics)
+        self.trial.report(value, epoch)
+        if self.trial.should_prune():
+            log.info("trial %d pruned after epoch %d (%s=%.4f)", self.trial.number,
+                     epoch + 1, self.key, value)  # fmt: skip
+            self.pruned = True
+            self.model.stop_training = True
+
+
+_CURVES = ("loss",)
+
+
+@dataclass
+class TuneResult:
+    """The outcome of a search."""
+
+    parent_run_id: str
+    experiment: str
+    best_params: dict[str, Any]
+    best_value: float
+    best_trial: int
+    output: Path
+    states: dict[str, int] = field(default_factory=dict)
+    seconds: float = 0.0
+
+
+def tune(
+    config: RecsysConfig,
+    data_dir: Path,
+    output: Path,
+    *,
+    workdir: Path,
+    trials: int | None = None,
+    timeout_seconds: float | None = None,
+    base_yaml: dict[str, Any] | None = None,
+    run_date: dt.date | None = None,
+) -> TuneResult:
+    """Search `config.tune.space` on data_dir's validation split; write the winner to `output`.
+
+    `base_yaml` is the config file as written (the output keeps its layout and data section);
+    by default the whole validated config is written. The test split is never read.
+    """
+    stats = json.loads((Path(data_dir) / DataFile.STATS).read_text())
+    if not int(stats.get("splits", {}).get("validation", 0)):
+        raise DataError(
+            f"{data_dir} has no validation examples: tuning needs users with at least "
+            f"preprocess.min_user_interactions ({config.preprocess.min_user_interactions}) events"
+        )
+    tc = config.tune
+    trials = trials or tc.trials
+    timeout_seconds = timeout_seconds or tc.timeout_seconds
+    uri = tracking.resolve_tracking_uri(config, workdir)
+    experiment = tune_experiment(config)
+    try:
+        client = tracking.connect(config, workdir, uri)
+        with tracking.bounded_http_retries():
+            experiment_id = tracking.ensure_experiment(client, experiment, uri, workdir)
+            parent = _start_parent(client, experiment_id, config, stats, trials, run_date)
+    except _TRACKING_FAILURES as exc:
+        raise _tracking_error(uri, exc) from None
+    study = optuna.create_study(
+        direction="maximize",
+        sampler=optuna.samplers.TPESampler(seed=tc.seed),
+        pruner=_pruner(config),
+    )
+    objective = _Objective(config, Path(data_dir), client, experiment_id, parent)
+    start = time.perf_counter()
+    status = RunStatus.FAILED
+    try:
+        # An out-of-memory trial (too big a batch) fails alone; the search goes on.
+        study.optimize(
+            objective, n_trials=trials, timeout=timeout_seconds, catch=(OutOfMemoryError,)
+        )
+        result = _finish(config, study, client, parent, experiment, output, base_yaml)
+        result.seconds = time.perf_counter() - start
+        status = RunStatus.FINISHED
+        return result
+    except _TRACKING_FAILURES as exc:
+        raise _tracking_error(uri, exc) from None
+    finally:
+        with suppress(*_TRACKING_FAILURES), tracking.bounded_http_retries():
+            client.set_terminated(parent, RunStatus.to_string(status))
+
+
+def _tracking_error(uri: str, exc: Exception) -> TrackingError:
+    reason = tracking.redact_credentials((str(exc).strip().splitlines() or [""])[0])[:300]
+    return TrackingError(
+        f"could not record the search in MLflow at {tracking.redact_credentials(uri)} "
+        f"({type(exc).__name__}: {reason}); check the server (mlflow/README.md) or set "
+        "tracking.uri / MLFLOW_TRACKING_URI"
+    )
+
+
+def _pruner(config: RecsysConfig) -> optuna.pruners.BasePruner:
+    if config.tune.pruner == "none":
+        return optuna.pruners.NopPruner()
+    return optuna.pruners.MedianPruner(
+        n_startup_trials=config.tune.startup_trials, n_warmup_steps=config.tune.warmup_epochs
+    )
+
+
+def _start_parent(
+    client: MlflowClient,
+    experiment_id: str,
+    config: RecsysConfig,
+    stats: dict[str, Any],
+    trials: int,
+    run_date: dt.date | None,
+) -> str:
+    stamp = f"{dt.datetime.now(dt.UTC):%Y%m%dT%H%M%SZ}"
+    tags = {
+        MLFLOW_RUN_NAME: f"tune-{run_date or stamp}",
+        KIND_TAG: "tune",
+        "model_name": config.model_name,
+        "base_config_digest": config.digest(),
+        "data_fingerprint": str(stats.get("fingerprint", "")),
+        "git_commit": tracking.git_commit(),
+    }
+    run_id = client.create_run(experiment_id, tags=tags).info.run_id
+    tc = config.tune
+    params = [Param(f"space.{k}", json.dumps(v.model_dump(exclude_none=True)))
+              for k, v in tc.space.items()]  # fmt: skip
+    params += [
+        Param("metric", tc.metric),
+        Param("trials", str(trials)),
+        Param("pruner", tc.pruner),
+        Param("seed", str(tc.seed)),
+    ]
+    client.log_batch(run_id, params=params)
+    return run_id
+
+
+class _Objective:
+    """One Optuna trial: train with the sampled settings, tracked as an MLflow child run."""
+
+    def __init__(
+        self,
+        config: RecsysConfig,
+        data_dir: Path,
+        client: MlflowClient,
+        experiment_id: str,
+        parent: str,
+    ) -> None:
+        self.config, self.data_dir = config, data_dir
+        self.client, self.experiment_id, self.parent = client, experiment_id, parent
+
+    def __call__(self, trial: optuna.Trial) -> float:
+        params = suggest(trial, self.config.tune.space)
+        settings = trial_config(self.config, params)
+        with tracking.bounded_http_retries():
+            run_id = self.client.create_run(
+                self.experiment_id,
+                tags={
+                    MLFLOW_PARENT_RUN_ID: self.parent,
+                    MLFLOW_RUN_NAME: f"trial-{trial.number}",
+                    KIND_TAG: "tune-trial",
+                    "optuna.trial": str(trial.number),
+                },
+            ).info.run_id
+            self.client.log_batch(
+                run_id, params=[Param(k, json.dumps(v)) for k, v in params.items()]
+            )
+        trial.set_user_attr("mlflow_run_id", run_id)
+        reporter = _Reporter(trial, self.client, run_id, self.config.tune.metric)
+        log.info("trial %d: %s", trial.number, params)
+        state, status = "failed", RunStatus.FAILED
+        try:
+            result = train(settings, self.data_dir, callbacks=[reporter])
+            value = _trial_value(settings, reporter.values)
+            with tracking.bounded_http_retries():
+                self.client.log_metric(run_id, f"validation_{self.config.tune.metric}", value)
+                self.client.log_metric(
+                    run_id, "examples_per_second", result.steady_examples_per_second
+                )
+            state, status = ("pruned" if reporter.pruned else "complete"), RunStatus.FINISHED
+        finally:
+            with tracking.bounded_http_retries():
+                self.client.set_tag(run_id, STATE_TAG, state)
+                self.client.set_terminated(run_id, RunStatus.to_string(status))
+            # Each trial builds new towers: free the previous trials' graphs.
+            tf.keras.backend.clear_session()
+        if reporter.pruned:
+            raise optuna.TrialPruned()
+        return value
+
+
+def _trial_value(settings: RecsysConfig, values: list[float]) -> float:
+    """What the nightly keeps: the best epoch under early stopping, else the last one."""
+    if not values:
+        raise StageFailedError("a trial finished without one validation value")
+    return max(values) if settings.training.early_stopping_patience else values[-1]
+
+
+def _finish(
+    config: RecsysConfig,
+    study: optuna.Study,
+    client: MlflowClient,
+    parent: str,
+    experiment: str,
+    output: Path,
+    base_yaml: dict[str, Any] | None,
+) -> TuneResult:
+    states = {
+        s.name.lower(): sum(t.state == s for t in study.trials)
+        for s in (optuna.trial.TrialState.COMPLETE, optuna.trial.TrialState.PRUNED,
+                  optuna.trial.TrialState.FAIL)
+    }  # fmt: skip
+    complete = [t for t in study.trials if t.state == optuna.trial.TrialState.COMPLETE]
+    if not complete:
+        raise StageFailedError(
+            f"no tuning trial completed ({states}); see the MLflow parent run {parent} "
+            "in experiment " + experiment
+        )
+    best = study.best_trial
+    header = (
+        f"Written by `recsys tune` at {dt.datetime.now(dt.UTC):%Y-%m-%d %H:%M} UTC: best of "
+        f"{len(study.trials)} trials on the validation split (trial {best.number}, "
+        f"{config.tune.metric} = {best.value:.4f}); MLflow experiment {experiment}, parent "
+        f"run {parent}. Use it as it is: recsys nightly --config <this file>"
+    )
+    write_config(config, best.params, output, base_yaml, header)
+    with tracking.bounded_http_retries():
+        client.log_batch(
+            parent,
+            metrics=[Metric(f"best_validation_{config.tune.metric}", best.value,
+                            int(time.time() * 1000), 0)]
+            + [Metric(f"trials_{k}", float(v), int(time.time() * 1000), 0)
+               for k, v in states.items()],
+            params=[Param(f"best.{k}", json.dumps(v)) for k, v in best.params.items()],
+        )  # fmt: skip
+        client.set_tag(parent, "best_trial_run_id", best.user_attrs.get("mlflow_run_id", ""))
+        tracking.log_file_redacted(client, parent, output)
+    return TuneResult(parent, experiment, best.params, best.value, best.number, output, states)
+
+
+def write_config(
+    config: RecsysConfig,
+    params: dict[str, Any],
+    output: Path,
+    base_yaml: dict[str, Any] | None = None,
+    header: str = "",
+) -> Path:
+    """The base config with the winning settings, validated, written atomically to `output`.
+
+    Also set: early stopping on the tuned metric (what the trials were judged by) and
+    histories preprocessed at least as long as the model reads.
+    """
+    settings = trial_config(config, params)
+    raw = copy.deepcopy(base_yaml) if base_yaml is not None else config.model_dump(mode="json")
+    values = {
+        **params,
+        "training.early_stopping_metric": settings.training.early_stopping_metric,
+        "preprocess.history_length": settings.preprocess.history_length,
+    }
+    for key, value in values.items():
+        _set_dotted(raw, key, value)
+    parse_config(raw, source=str(output))  # what is written must load
+    text = "".join(f"# {line}\n" for line in _wrap(header)) + yaml.safe_dump(raw, sort_keys=False)
+    output = Path(output)
+    output.parent.mkdir(parents=True, exist_ok=True)
+    tmp = output.with_name(f".{output.name}.tmp-{os.getpid()}")
+    tmp.write_text(text)
+    os.replace(tmp, output)  # a nightly reading the file never sees half of it
+    return output
+
+
+def _wrap(text: str, width: int = 96) -> list[str]:
+    lines, line = [], ""
+    for word in text.split():
+        if line and len(line) + 1 + len(word) > width:
+            lines.append(line)
+            line = word
+        else:
+            line = f"{line} {word}".strip()
+    return [*lines, line] if line else lines

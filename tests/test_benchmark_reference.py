@@ -1,0 +1,129 @@
+"""The cross-dataset benchmark's own parts: protocol split (tie order) and the SASRec reference."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import tensorflow as tf
+
+from benchmarks import protocol, sasrec
+from recsys import evaluation as ev
+
+
+def _log(rows: list[tuple[str, str, int]]) -> protocol.Log:
+    users, items, stamps = zip(*rows, strict=True)
+    return protocol.Log(np.array(users), np.array(items), np.array(stamps, np.int64), True, "test")
+
+
+def test_ties_break_by_numeric_item_id_not_string() -> None:
+    # u1's last second holds items 98 and 1000: numerically 1000 is last (the test item);
+    # as strings "98" > "1000", which would make 98 the test item.
+    rows = [("u1", str(i), 10) for i in (1, 2, 3)] + [("u1", "98", 50), ("u1", "1000", 50)]
+    split = protocol.leave_last_out(_log(rows))
+    catalog = split.catalog
+    assert catalog == ["1", "2", "3", "98"]  # numeric order; 1000 only in test
+    assert split.test == {0: -1}  # the test item 1000 is outside the catalog: a miss
+    assert catalog[split.validation[0]] == "98"
+    assert [catalog[i] for i in split.train[0]] == ["1", "2", "3"]
+
+
+def test_string_ids_keep_string_order_and_short_users_are_train_only() -> None:
+    log = _log([("a", "x", 1), ("a", "t", 1), ("b", "z", 1)] + [("c", i, 5) for i in "pqrst"])
+    log.numeric = False
+    split = protocol.leave_last_out(log, min_interactions=5)
+    assert split.users == ["a", "b", "c"]
+    assert 0 not in split.test and 1 not in split.test  # fewer than 5 events: train only
+    assert split.catalog[split.test[2]] == "t" and split.catalog[split.validation[2]] == "s"
+    assert split.test_rows.sum() == 1 and log.items[split.test_rows][0] == "t"
+    rows, data = protocol.eval_set(split, "test")
+    assert rows == [2] and data.users == ["c"]
+    # Test ranking removes the user's training and validation items, never the target.
+    assert sorted(split.catalog[i] for i in data.exclude[0]) == ["p", "q", "r", "s"]
+
+
+def test_reads_the_amazon_style_csv(tmp_path: Path) -> None:
+    path = tmp_path / "ratings.csv"
+    path.write_text("userId,movieId,rating,timestamp\n1,10,1.0,1\n1,9,1.0,2\n")
+    log = protocol.read_log(str(path))
+    assert log.users.tolist() == ["1", "1"] and log.items.tolist() == ["10", "9"]
+    assert log.timestamps.tolist() == [1, 2] and log.numeric
+
+
+def test_sasrec_is_causal() -> None:
+    model = sasrec.SASRec(20, sasrec.Settings(hidden=16, max_length=6, seed=0))
+    seq = tf.constant([[0, 3, 4, 5, 6, 7]])
+    changed = tf.constant([[0, 3, 4, 5, 6, 19]])
+    a, b = model(seq).numpy(), model(changed).numpy()
+    np.testing.assert_allclose(a[:, :5], b[:, :5], atol=1e-6)  # earlier outputs unchanged
+    assert not np.allclose(a[:, 5], b[:, 5])
+
+
+def test_sasrec_learns_a_deterministic_sequence_pattern() -> None:
+    """Every user walks the catalog in steps of +3 (mod 30): the next item is certain."""
+    rng = np.random.default_rng(0)
+    n = 30
+
+    def walk(length: int) -> np.ndarray:
+        return (rng.integers(n) + 3 * np.arange(length)) % n
+
+    train = [walk(12) for _ in range(200)]
+    held_out = [walk(8) for _ in range(50)]
+    history = [s[:-1] for s in held_out]
+
+    data = ev.EvalSet(
+        [str(i) for i in range(50)],
+        np.array([s[-1] for s in held_out]),
+        [np.zeros(0, np.int64)] * 50,
+        n,
+    )
+    settings = sasrec.Settings(
+        hidden=32, blocks=1, dropout=0.1, max_length=12, learning_rate=5e-3,
+        batch_size=64, max_epochs=30, eval_every=5, patience=2, seed=0,
+    )  # fmt: skip
+    trainer, info = sasrec.fit(n, train, (history, data), settings)
+    scores = trainer.scores(history)(np.arange(50))
+    accuracy = float(np.mean(scores.argmax(axis=1) == data.targets))
+    assert accuracy > 0.9, (accuracy, info["curve"])
+    # Popularity cannot do this: every item is equally frequent (chance = 1/30).
+    assert info["validation_ndcg_at_10"] > 0.9
+
+
+def test_ours_is_scored_from_the_exported_parquet_files(tmp_path: Path) -> None:
+    """The outside scorer: test rows never reach the pipeline; vectors come from the files."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from benchmarks import quality
+    from serving_export.embeddings import embeddings_schema
+
+    path = tmp_path / "ratings.csv"
+    rows = [("1", str(i), t) for t, i in enumerate([10, 11, 12, 13, 14], 1)]
+    rows += [("2", str(i), t) for t, i in enumerate([12, 11, 10, 14, 15], 1)]
+    path.write_text("userId,movieId,timestamp\n" + "".join(f"{u},{i},{t}\n" for u, i, t in rows))
+    bench = quality.Bench(str(path))
+    ours = quality.Ours(bench, tmp_path / "ours")
+    written = (tmp_path / "ours" / "log.csv").read_text().splitlines()
+    assert len(written) == 1 + 8  # both test rows (user 1: item 14, user 2: item 15) left out
+    assert "1,14,5" not in written and "2,15,5" not in written
+
+    def write(name: str, column: str, ids: list[str], vectors: list[list[float]]) -> Path:
+        schema = embeddings_schema(column, 2, 1)
+        flat = pa.array([x for v in vectors for x in v], pa.float32())
+        table = pa.Table.from_arrays(
+            [pa.array(ids), pa.FixedSizeListArray.from_arrays(flat, 2), pa.array([1] * len(ids))],
+            schema=schema,
+        )
+        pq.write_table(table, tmp_path / name)
+        return tmp_path / name
+
+    # The export lacks item 14 (say it was only in a row the pipeline held out) and user 2.
+    items = write("items.parquet", "item_id", ["13", "10", "12", "11"],
+                  [[0, 1], [1, 0], [0.5, 0.5], [-1, 0]])  # fmt: skip
+    users = write("users.parquet", "user_id", ["1"], [[1.0, 0.0]])
+    scores, missing = ours.parquet_scores({"items": items, "users": users})
+    assert missing == {"users": 1, "items": 1}
+    assert bench.split.catalog == ["10", "11", "12", "13", "14"]
+    got = scores(np.arange(2))
+    np.testing.assert_allclose(got[0], [1.0, -1.0, 0.5, 0.0, -np.inf])  # catalog order
+    np.testing.assert_allclose(got[1, :4], 0.0)

@@ -1,0 +1,154 @@
+"""`recsys tune`: Optuna trials as MLflow child runs, validation split only, a usable config."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import optuna
+import pytest
+import tensorflow as tf
+import yaml
+from mlflow import MlflowClient
+
+from conductor.cli import main
+from recsys import tuning
+from recsys.core.config import RecsysConfig, load_config, parse_config
+from recsys.core.errors import ConfigError
+from recsys.core.layout import Workdir
+from recsys.data_io import load_split
+from tests.conftest import SMALL, SMALL_DATE
+from tests.mlflow_server import MlflowServer
+
+SPACE = {
+    "model.embedding_dim": {"choices": [8, 16]},
+    "model.history_length": {"choices": [5, 10]},
+    "training.learning_rate": {"low": 0.005, "high": 0.05, "log": True},
+}
+
+
+def _config(uri: str | None = None) -> RecsysConfig:
+    raw = {
+        **SMALL,
+        "tune": {"space": SPACE, "trials": 3, "startup_trials": 1, "metric": "recall_at_10"},
+    }
+    if uri:
+        raw["tracking"] = {"uri": uri}
+    return parse_config(raw)
+
+
+def _poisoned_copy(data_dir: Path, root: Path) -> Path:
+    """The data folder with every test shard replaced by bytes no reader can parse."""
+    copy = root / "poisoned"
+    shutil.copytree(data_dir, copy)
+    shards = sorted(copy.glob("test-*.tfrecord*"))
+    assert shards
+    for shard in shards:
+        shard.write_bytes(b"\x1f\x8b not a gzip TFRecord: reading the test split is a bug")
+    return copy
+
+
+def test_trials_are_child_runs_and_the_test_split_is_never_read(
+    prepared: tuple[RecsysConfig, Workdir, Path], server: MlflowServer, tmp_path: Path
+) -> None:
+    _, workdir, data_dir = prepared
+    data = _poisoned_copy(data_dir, tmp_path)
+    # The poison works: anything that reads the test split fails.
+    with pytest.raises(tf.errors.OpError):
+        load_split(data, "test")
+    config = _config(server.uri)
+    output = tmp_path / "best.yaml"
+    result = tuning.tune(config, data, output, workdir=workdir.root, trials=3)
+
+    client = MlflowClient(server.uri)
+    experiment = client.get_experiment_by_name("test-model-tune")
+    assert experiment is not None and result.experiment == "test-model-tune"
+    parent = client.get_run(result.parent_run_id)
+    assert parent.info.status == "FINISHED"
+    assert parent.data.params["space.model.embedding_dim"] == '{"choices": [8, 16], "log": false}'
+    children = client.search_runs(
+        [experiment.experiment_id],
+        filter_string=f"tags.mlflow.parentRunId = '{result.parent_run_id}'",
+    )
+    assert len(children) == 3
+    for child in children:
+        assert child.data.tags[tuning.STATE_TAG] in {"complete", "pruned"}
+        assert set(child.data.params) == set(SPACE)
+        curve = client.get_metric_history(child.info.run_id, "val_recall_at_10")
+        assert [m.step for m in curve] == list(range(len(curve))) and curve
+    best_child = client.get_run(parent.data.tags["best_trial_run_id"])
+    assert best_child.data.metrics["validation_recall_at_10"] == pytest.approx(result.best_value)
+    assert parent.data.metrics["best_validation_recall_at_10"] == pytest.approx(result.best_value)
+    assert "best.yaml" in [a.path for a in client.list_artifacts(result.parent_run_id)]
+
+    written = load_config(output)  # loads and validates as any config
+    for key, value in result.best_params.items():
+        section, name = key.split(".")
+        assert getattr(getattr(written, section), name) == value
+    assert written.training.early_stopping_metric == "recall_at_10"
+    assert written.preprocess.history_length >= written.model.history_length
+    assert written.data == config.data and written.tune == config.tune
+
+
+def test_a_trial_below_the_median_is_pruned_and_stops_training(server: MlflowServer) -> None:
+    client = MlflowClient(server.uri)
+    experiment_id = client.create_experiment("pruning")
+    study = optuna.create_study(
+        direction="maximize",
+        pruner=optuna.pruners.MedianPruner(n_startup_trials=1, n_warmup_steps=0),
+    )
+    good = study.ask()
+    for epoch, value in enumerate([0.5, 0.6]):
+        good.report(value, epoch)
+    study.tell(good, 0.6)
+    trial = study.ask()
+    run_id = client.create_run(experiment_id).info.run_id
+    reporter = tuning._Reporter(trial, client, run_id, "ndcg_at_10")
+    reporter.set_model(tf.keras.Sequential())
+    # Optuna's median rule compares the trial's best value so far with the median at the step.
+    reporter.on_epoch_end(0, {"loss": 3.0, "val_ndcg_at_10": 0.55})
+    assert not reporter.pruned and not reporter.model.stop_training
+    reporter.on_epoch_end(1, {"loss": 2.0, "val_ndcg_at_10": 0.1})
+    assert reporter.pruned and reporter.model.stop_training
+    history = client.get_metric_history(run_id, "val_ndcg_at_10")
+    assert [(m.step, m.value) for m in history] == [(0, 0.55), (1, 0.1)]
+
+
+def test_cli_tune_writes_a_config_the_nightly_accepts(tmp_path: Path, capsys) -> None:
+    raw = {**SMALL, "tune": {"space": {"model.embedding_dim": {"choices": [8, 16]}}}}
+    source = tmp_path / "small.yaml"
+    source.write_text(yaml.safe_dump(raw))
+    work = tmp_path / "work"
+    code = main(["tune", "--config", str(source), "--workdir", str(work),
+                 "--date", SMALL_DATE, "--trials", "1"])  # fmt: skip
+    assert code == 0
+    out = capsys.readouterr().out
+    best = work / "tune" / SMALL_DATE / "best.yaml"
+    assert f"config:      {best}" in out
+    assert best.read_text().startswith("# Written by `recsys tune`")
+    written = load_config(best)
+    assert written.model.embedding_dim in (8, 16)
+    assert written.model_name == "test-model"
+    # The local SQLite store under the workdir holds the search.
+    store = f"sqlite:///{work.resolve() / 'mlflow' / 'mlflow.db'}"
+    assert MlflowClient(store).get_experiment_by_name("test-model-tune") is not None
+
+
+def test_cli_tune_rejects_a_bad_trial_count(tmp_path: Path, capsys) -> None:
+    code = main(["tune", "--workdir", str(tmp_path), "--trials", "0"])
+    assert code == 2
+    assert capsys.readouterr().err.strip() == "recsys: error: --trials must be at least 1, got 0"
+
+
+def test_search_space_keys_and_values_are_validated() -> None:
+    with pytest.raises(ConfigError, match="model has no setting 'embeding_dim'"):
+        parse_config({"tune": {"space": {"model.embeding_dim": {"choices": [8]}}}})
+    with pytest.raises(ConfigError, match=r"must be model\.<setting> or training\.<setting>"):
+        parse_config({"tune": {"space": {"data.path": {"choices": ["x"]}}}})
+    with pytest.raises(ConfigError, match="value 1 is invalid"):
+        parse_config({"tune": {"space": {"model.embedding_dim": {"choices": [1, 8]}}}})
+    with pytest.raises(ConfigError, match="low > 0"):
+        parse_config({"tune": {"space": {"training.learning_rate": {"low": 0, "high": 1,
+                                                                    "log": True}}}})  # fmt: skip
+    # The space never changes a nightly run's identity.
+    assert parse_config({"tune": {"trials": 5}}).digest() == parse_config({}).digest()
