@@ -23,6 +23,7 @@ import pytest
 import yaml
 from mlflow import MlflowClient
 
+from recsys.core.layout import TEMP_PREFIXES
 from tests.conftest import SMALL, SMALL_DATE
 from tests.mlflow_server import MlflowServer
 
@@ -114,7 +115,9 @@ def _outputs(work: Path) -> dict[str, object]:
     assert len(runs) == 1, f"expected one run folder, found {runs}"
     metrics = json.loads((runs[0] / "metrics.json").read_text())["model"]
     versions = {n: sorted(p.name for p in (work / "export" / n).iterdir()) for n in MODELS}
-    hidden = [p for p in (work / "export").rglob(".*")]
+    # Leftovers of an interrupted write (the checksums folder is hidden on purpose: TF Serving
+    # must not take it for a model).
+    hidden = [p for p in (work / "export").rglob(".*") if p.name.startswith(TEMP_PREFIXES)]
     return {"stats": stats, "metrics": metrics, "versions": versions, "hidden": hidden}
 
 
