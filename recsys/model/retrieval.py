@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 
+import numpy as np
 import tensorflow as tf
 import tensorflow_recommenders as tfrs
 
@@ -11,6 +12,7 @@ import recsys  # noqa: F401  (sets TF_USE_LEGACY_KERAS before TensorFlow is impo
 from recsys.config import ModelConfig
 from recsys.losses import in_batch_softmax_loss
 from recsys.model.inputs import HISTORY_INDEX, ITEM_INDEX, ITEM_LOG_PROB, USER_INDEX
+from recsys.model.negatives import full_softmax_loss, mixture_log_q, sample_pool
 from recsys.model.towers import CandidateTower, QueryTower
 
 
@@ -35,7 +37,7 @@ def gather_global_candidates(*tensors: tf.Tensor) -> list[tf.Tensor]:
 
 
 class TwoTowerModel(tfrs.Model):
-    """In-batch sampled-softmax retrieval over the global batch.
+    """Sampled-softmax retrieval over the global batch (plus a shared pool, or the catalog).
 
     For a batch of (query, item) pairs with query vectors q_i and candidate vectors c_j (all
     replicas' candidates under a distribution strategy) the logits are
@@ -43,6 +45,9 @@ class TwoTowerModel(tfrs.Model):
     positive item are masked (accidental hits), optionally only the top `num_hard_negatives`
     negatives are kept, and the loss is the softmax cross-entropy of the positive, summed over
     the replica's queries (so gradients summed over replicas equal one-device gradients).
+    `model.negatives` mixed appends a pool of sampled items to the candidates and corrects
+    every column by the mixture's log Q; full replaces the candidates by the whole catalog
+    (exact softmax, no correction): `recsys.model.negatives`.
     Logits and loss are float32 whatever the towers' precision. The logged `loss` is the mean
     per example over the epoch.
     """
@@ -52,11 +57,18 @@ class TwoTowerModel(tfrs.Model):
         query_tower: QueryTower,
         candidate_tower: CandidateTower,
         config: ModelConfig,
+        item_log_probs: np.ndarray | None = None,
     ) -> None:
         super().__init__()
         self.query_tower = query_tower
         self.candidate_tower = candidate_tower
         self.config = config
+        if config.negatives in ("mixed", "full") and item_log_probs is None:
+            raise ValueError(f"model.negatives {config.negatives!r} needs item_log_probs")
+        if config.negatives == "auto":
+            raise ValueError("model.negatives 'auto' must be resolved before building")
+        # log p(item) per item index (OOV rows first): pool sampling and its logQ correction.
+        self.item_log_probs = None if item_log_probs is None else tf.constant(item_log_probs)
         self.task = tfrs.tasks.Retrieval(
             temperature=config.temperature,
             remove_accidental_hits=config.remove_accidental_hits,
@@ -71,10 +83,16 @@ class TwoTowerModel(tfrs.Model):
     def compute_loss(self, features: dict[str, tf.Tensor], training: bool = False) -> tf.Tensor:
         query_inputs = {k: features[k] for k in (USER_INDEX, HISTORY_INDEX) if k in features}
         query = self.query_tower(query_inputs, training=training)
+        if self.config.negatives == "full":
+            rows = tf.range(tf.shape(self.item_log_probs, out_type=tf.int64)[0])
+            catalog = self.candidate_tower(rows, training=training)
+            return full_softmax_loss(query, catalog, features[ITEM_INDEX], self.config.temperature)
         candidates = self.candidate_tower(features[ITEM_INDEX], training=training)
         candidates, ids, log_q = gather_global_candidates(
             candidates, features[ITEM_INDEX], features[ITEM_LOG_PROB]
         )
+        if self.config.negatives == "mixed":
+            candidates, ids, log_q = self._add_pool(candidates, ids, log_q, training)
         log_q = log_q if self.config.logq_correction else None
         ids = ids if self.config.remove_accidental_hits else None
         if self.config.num_hard_negatives is None and not self.jit_compile:
@@ -89,6 +107,22 @@ class TwoTowerModel(tfrs.Model):
             compute_metrics=False,
             compute_batch_metrics=False,
         )
+
+    def _add_pool(
+        self, candidates: tf.Tensor, ids: tf.Tensor, log_p: tf.Tensor, training: bool
+    ) -> tuple[tf.Tensor, tf.Tensor, tf.Tensor]:
+        """The global batch's candidates followed by a shared pool of sampled items, with
+        every column's mixture log Q (`recsys.model.negatives`)."""
+        cfg, oov = self.config, self.config.oov_buckets
+        pool = sample_pool(cfg.sampled_negatives, self.item_log_probs, oov, cfg.negative_sampler)
+        pooled = tf.cast(self.candidate_tower(pool, training=training), candidates.dtype)
+        ids = tf.concat([ids, tf.cast(pool, ids.dtype)], 0)
+        log_p = tf.concat([log_p, tf.gather(self.item_log_probs, pool)], 0)
+        catalog = int(self.item_log_probs.shape[0]) - oov
+        log_q = mixture_log_q(
+            log_p, tf.shape(candidates)[0], cfg.sampled_negatives, cfg.negative_sampler, catalog
+        )
+        return tf.concat([candidates, pooled], 0), ids, log_q
 
     def _step(self, features: dict[str, tf.Tensor], train: bool) -> dict[str, tf.Tensor]:
         loss_scaling = isinstance(self.optimizer, tf.keras.mixed_precision.LossScaleOptimizer)

@@ -29,9 +29,12 @@ ADDED_OFF = {
     "item_features": False,
     "normalize": True,
     "user_features": False,
+    "query_encoder": "mean",
+    "negatives": "in_batch",
 }
 """ModelConfig keys added after the first saved models, with the value that means 'absent'
-(models saved before `normalize` existed were always normalised)."""
+(models saved before `normalize` existed were always normalised, before `query_encoder`
+mean-pooled their histories)."""
 
 
 def write_model(

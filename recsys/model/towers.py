@@ -8,15 +8,18 @@ from collections.abc import Sequence
 import tensorflow as tf
 
 import recsys  # noqa: F401  (sets TF_USE_LEGACY_KERAS before TensorFlow is imported)
+from recsys.model.encoders import EncoderSpec, TransformerEncoder
 from recsys.model.inputs import HISTORY_INDEX, ITEM_INDEX, USER_INDEX, feature_index
 from recsys.model.layers import Baked, bake_features, embedding, masked_mean, mlp, tower_output
 
 
 class QueryTower(tf.keras.Model):
-    """`q = normalize(MLP(U[u] + mean_{j in H(u)} V[j] + sum_f A_f[a_f(u)]))`.
+    """`q = normalize(MLP(U[u] + enc(H(u)) + sum_f A_f[a_f(u)]))`.
 
     U is the (users + oov) x d user table; H(u) the user's last `history_length` items (index
-    PAD ignored; an empty history adds the zero vector); V is the candidate tower's item table
+    PAD ignored; an empty history adds the zero vector); enc is `mean_{j in H(u)} V[j]`, or with
+    `encoder` "transformer" causal self-attention over the ordered H(u) read at the latest item
+    (`recsys.model.encoders`); V is the candidate tower's item table
     when `item_embedding` is given (shared), else the tower's own table of `num_items` rows.
     For each user side feature f (age bucket, gender, occupation, ...) a_f(u) is the user's
     token, baked into the tower by user index like the candidate tower's item features (a user
@@ -34,6 +37,7 @@ class QueryTower(tf.keras.Model):
         num_items: int = 0,
         normalize: bool = True,
         features: Baked | None = None,
+        encoder: EncoderSpec | None = None,
         **kwargs: object,
     ) -> None:
         super().__init__(**kwargs)
@@ -47,14 +51,30 @@ class QueryTower(tf.keras.Model):
             self.history_embedding = item_embedding or embedding(
                 num_items, embedding_dim, l2, "history_embedding"
             )
+        if history_length and encoder is not None and encoder.kind == "transformer":
+            # Only then: mean-pooling towers keep their checkpoint keys.
+            self.encoder = TransformerEncoder(
+                self.history_embedding,
+                history_length,
+                embedding_dim,
+                encoder.layers,
+                encoder.heads,
+                encoder.dropout,
+                name="encoder",
+            )
         if features:  # only then: towers without user features keep their checkpoint keys
             bake_features(self, features, embedding_dim, l2)
         self.mlp = mlp(hidden_dims)
 
-    def call(self, inputs: dict[str, tf.Tensor]) -> tf.Tensor:
+    def call(self, inputs: dict[str, tf.Tensor], training: bool | None = None) -> tf.Tensor:
         x = self.embedding(inputs[USER_INDEX])
         if self.history_embedding is not None and HISTORY_INDEX in inputs:
-            x = x + masked_mean(self.history_embedding, inputs[HISTORY_INDEX])
+            history = inputs[HISTORY_INDEX]
+            encoder = getattr(self, "encoder", None)
+            if encoder is None:
+                x = x + masked_mean(self.history_embedding, history)
+            else:
+                x = x + tf.cast(encoder(history, training=training), x.dtype)
         for name in getattr(self, "feature_names", ()):
             ids = tf.gather(self.feature_ids[name], inputs[USER_INDEX])
             x = x + masked_mean(self.feature_embeddings[name], ids)

@@ -18,6 +18,7 @@ import recsys  # noqa: F401  (sets TF_USE_LEGACY_KERAS before TensorFlow is impo
 from recsys.config import ModelConfig
 from recsys.item_tokens import PAD, TOKENIZERS
 from recsys.model import storage
+from recsys.model.encoders import EncoderSpec
 from recsys.model.features import ItemFeatures, UserFeatures
 from recsys.model.inputs import (
     HISTORY_INDEX,
@@ -72,6 +73,7 @@ class TrainedModel:
             num_items=len(items) + oov,
             normalize=config.normalize,
             features=user_features.baked(oov),
+            encoder=EncoderSpec.from_config(config),
             name="query_tower",
         )
         query(_dummy_query(config))

@@ -2,7 +2,8 @@
 
 Ids in both vocabularies keep their trained rows, new ids keep their fresh rows, removed ids
 are dropped; OOV buckets are copied by position; side-feature rows map by token; dense layers
-(MLP, sequence encoder) are copied when their shapes match.
+(MLP, transformer blocks) are copied when their shapes match, encoder positions aligned
+at the latest item.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import tensorflow as tf
 
 import recsys  # noqa: F401  (sets TF_USE_LEGACY_KERAS before TensorFlow is imported)
 from recsys.errors import ConfigError
+from recsys.model.encoders import TransformerEncoder
 from recsys.model.trained import TrainedModel
 
 
@@ -96,7 +98,33 @@ def warm_start(model: TrainedModel, previous: TrainedModel) -> dict[str, int]:
                     0,
                 )
     for tower, old in ((q, pq_), (c, pc)):
-        for layer, old_layer in zip(tower.mlp, old.mlp, strict=False):
-            if [w.shape for w in layer.weights] == [w.shape for w in old_layer.weights]:
-                layer.set_weights(old_layer.get_weights())
+        _copy_matching(tower.mlp, old.mlp)
+    encoder, old_encoder = getattr(q, "encoder", None), getattr(pq_, "encoder", None)
+    if encoder is not None and old_encoder is not None:
+        copied["encoder_positions"] = copy_encoder(encoder, old_encoder)
     return copied
+
+
+def _copy_matching(layers: Sequence[tf.keras.layers.Layer], old: Sequence[object]) -> None:
+    """Copy each old layer's weights into the new one at the same place when shapes match."""
+    for layer, old_layer in zip(layers, old, strict=False):
+        if [w.shape for w in layer.weights] == [w.shape for w in old_layer.weights]:
+            layer.set_weights(old_layer.get_weights())
+
+
+def copy_encoder(encoder: TransformerEncoder, old: TransformerEncoder) -> int:
+    """Blocks and final norm copied when shapes match; positions aligned at the latest item.
+
+    Position L-1 is the latest item in both (right-aligned histories), so a changed
+    `history_length` keeps the rows of the most recent min(L, L_old) positions. Returns them.
+    The item table is not touched here: it is mapped by id with the candidate tower's.
+    """
+    _copy_matching([*encoder.blocks, encoder.norm], [*old.blocks, old.norm])
+    new, previous = encoder.positions, old.positions.numpy()
+    if new.shape[1] != previous.shape[1]:
+        return 0
+    rows = min(new.shape[0], previous.shape[0])
+    value = new.numpy()
+    value[-rows:] = previous[-rows:]
+    new.assign(value)
+    return rows
