@@ -30,15 +30,20 @@ from typing import Any
 import recsys  # noqa: F401  (sets TF_USE_LEGACY_KERAS before TensorFlow is imported)
 
 # isort: split
+import numpy as np
 import tensorflow as tf
 import yaml
 
+from recsys import baselines
 from recsys import evaluation as ev
 from recsys.config import EvaluationConfig, RecsysConfig, load_config
 from recsys.training import trainer
 from recsys.training.dataset import load_split
 
 REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO / "benchmarks"))
+from quality_ml100k import Splits, _ids, _metrics  # noqa: E402  (the same baseline code)
+
 EVAL = EvaluationConfig(ks=[10, 50], ndcg_k=10, mrr_k=100, coverage_k=10)
 REPORTED = ("recall_at_10", "recall_at_50", "ndcg_at_10")
 
@@ -118,13 +123,88 @@ def run_variant(config: RecsysConfig, data_dir: Path, test: bool) -> dict[str, A
     return out
 
 
-def run_baselines(data_dir: Path) -> dict[str, Any]:
-    """Popularity, EASE and ALS tuned on validation, scored on test (quality_ml100k.py)."""
-    sys.path.insert(0, str(REPO / "benchmarks"))
-    from quality_ml100k import Splits
-    from quality_ml100k import run_baselines as baselines
+def run_baselines(data_dir: Path, lambdas: list[float], als: list[str]) -> dict[str, Any]:
+    """Popularity, EASE and ALS tuned on validation (NDCG@10), scored on test.
 
-    return baselines(Splits(data_dir))
+    The same code as benchmarks/quality_ml100k.py, with the grids given (EASE inverts an
+    items x items matrix per lambda; each ALS fit solves every user and item row).
+    """
+    s = Splits(data_dir)
+    out: dict[str, Any] = {
+        "popularity": {"test": _metrics(ev.popularity_scores(s.counts), s.test_set)}
+    }
+    _, x = s.train_matrix()
+    val_hist = s.history(s.valid_set.users, [s.train])
+    test_hist = s.history(s.test_set.users, [s.train, s.validation])
+    best: tuple[Any, ...] | None = None
+    for l2 in lambdas:
+        b = baselines.ease_weights(x, l2)
+        val = _metrics(baselines.ease_scores(val_hist, b), s.valid_set)
+        if best is None or val["ndcg_at_10"] > best[1]["ndcg_at_10"]:
+            best = (l2, val, _metrics(baselines.ease_scores(test_hist, b), s.test_set))
+        del b
+    assert best is not None
+    out["ease"] = {"lambda": best[0], "validation": best[1], "test": best[2]}
+    best = None
+    for spec in als:
+        factors, reg, alpha = (float(v) for v in spec.split("/"))
+        _, items = baselines.als_factors(x, int(factors), reg, alpha, iterations=10)
+        val = _metrics(baselines.als_scores(val_hist, items, reg, alpha), s.valid_set)
+        if best is None or val["ndcg_at_10"] > best[1]["ndcg_at_10"]:
+            test = _metrics(baselines.als_scores(test_hist, items, reg, alpha), s.test_set)
+            best = (spec, val, test)
+    assert best is not None
+    out["als"] = {"factors/reg/alpha": best[0], "validation": best[1], "test": best[2]}
+    return out
+
+
+def run_sparse_ease(data_dir: Path, lambdas: list[float]) -> dict[str, Any]:
+    """EASE tuned on validation (NDCG@10), scored on test, in float32 with sparse histories.
+
+    The dense path of benchmarks/quality_ml100k.py holds users x items float matrices (several
+    GiB on Amazon Beauty, 22K x 12K); here only the items x items matrices are dense.
+    """
+    import scipy.sparse as sp
+
+    s = Splits(data_dir)
+
+    def matrix(users: list[str], parts: list[dict[str, Any]]) -> sp.csr_matrix:
+        row = {u: r for r, u in enumerate(users)}
+        pairs = {
+            (row[u], s.position[i])
+            for part in parts
+            for u, i in zip(_ids(part["user_id"]), _ids(part["item_id"]), strict=True)
+            if u in row and i in s.position
+        }
+        r, c = np.array(sorted(pairs)).T
+        shape = (len(users), len(s.items))
+        return sp.csr_matrix((np.ones(len(r), np.float32), (r, c)), shape=shape)
+
+    users = sorted(set(_ids(s.train["user_id"])))
+    x = matrix(users, [s.train])
+    val_hist = matrix(s.valid_set.users, [s.train])
+    test_hist = matrix(s.test_set.users, [s.train, s.validation])
+    gram = (x.T @ x).toarray().astype(np.float32)
+    best: tuple[Any, ...] | None = None
+    for l2 in lambdas:
+        diagonal = np.diag(gram).copy()
+        gram[np.diag_indices_from(gram)] += l2
+        p = np.linalg.inv(gram)
+        gram[np.diag_indices_from(gram)] = diagonal
+        b = -p / np.diag(p)[None, :]
+        del p
+        np.fill_diagonal(b, 0.0)
+        val = _metrics(lambda rows, b=b: np.asarray(val_hist[rows] @ b), s.valid_set)
+        if best is None or val["ndcg_at_10"] > best[1]["ndcg_at_10"]:
+            test = _metrics(lambda rows, b=b: np.asarray(test_hist[rows] @ b), s.test_set)
+            best = (l2, val, test)
+        del b
+    assert best is not None
+    popularity = _metrics(ev.popularity_scores(s.counts), s.test_set)
+    return {
+        "popularity": {"test": popularity},
+        "ease": {"lambda": best[0], "validation": best[1], "test": best[2]},
+    }
 
 
 def main() -> int:
@@ -135,6 +215,9 @@ def main() -> int:
     parser.add_argument("--variant", action="append", default=[], help="name=key:value,...")
     parser.add_argument("--test", action="store_true", help="also score the test split")
     parser.add_argument("--baselines", action="store_true", help="EASE/ALS/popularity on test")
+    parser.add_argument("--sparse-ease", action="store_true", help="EASE only, float32")
+    parser.add_argument("--ease-lambda", type=float, action="append", default=[])
+    parser.add_argument("--als", action="append", default=[], help="factors/reg/alpha")
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
     logging.basicConfig(level=logging.WARNING)
@@ -152,8 +235,13 @@ def main() -> int:
         "users": stats["users"],
         "splits": stats["splits"],
     }
+    if args.sparse_ease:
+        results["baselines"] = run_sparse_ease(data_dir, args.ease_lambda or [100.0, 400.0])
+        out_path.write_text(json.dumps(results, indent=2) + "\n")
     if args.baselines:
-        results["baselines"] = run_baselines(data_dir)
+        lambdas = args.ease_lambda or [50.0, 100.0, 200.0, 400.0, 800.0, 1600.0]
+        als = args.als or [f"{f}/{r}/{a}" for f in (64, 128) for r in (1, 10) for a in (5, 20)]
+        results["baselines"] = run_baselines(data_dir, lambdas, als)
         out_path.write_text(json.dumps(results, indent=2) + "\n")
     for spec in args.variant:
         name, config = variant_config(base, spec)

@@ -153,12 +153,13 @@ def test_full_catalog_loss_equals_numpy_cross_entropy() -> None:
     assert loss == pytest.approx(float((lse - logits[[0, 1, 2], [2, 6, 6]]).sum()), rel=1e-5)
 
 
-def test_auto_resolves_by_catalog_size() -> None:
-    config = ModelConfig(query_encoder="auto", negatives="auto")
+def test_auto_negatives_resolve_by_catalog_size() -> None:
+    config = ModelConfig(negatives="auto")
     small, reasons = resolve(config, DataShape(items=12_000, events_per_user=9.0))
-    assert (small.query_encoder, small.negatives) == ("transformer", "full") and len(reasons) == 2
+    assert small.negatives == "full" and "12000 items" in reasons[0]
     large, _ = resolve(config, DataShape(items=5_000_000, events_per_user=9.0))
     assert large.negatives == "mixed"
+    assert resolve(ModelConfig(), DataShape(items=10, events_per_user=1.0)) == (ModelConfig(), [])
 
 
 def test_warm_start_copies_the_encoder_and_maps_item_rows() -> None:

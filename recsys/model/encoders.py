@@ -35,9 +35,7 @@ class EncoderSpec:
 
     @classmethod
     def from_config(cls, config: ModelConfig) -> EncoderSpec:
-        """The spec of a resolved `ModelConfig` (`query_encoder` not `auto`)."""
-        if config.query_encoder == "auto":
-            raise ValueError("model.query_encoder 'auto' must be resolved before building")
+        """The encoder settings of a `ModelConfig`."""
         return cls(
             config.query_encoder,
             config.encoder_layers,

@@ -419,12 +419,7 @@ def resolved_model_config(config: RecsysConfig, data_dir: Path) -> ModelConfig:
     shape = DataShape.from_stats(stats)
     model_config, reasons = resolve(config.model, shape)
     for reason in reasons:
-        log.info(
-            "model auto setting: %s; %d items, %.1f events/user",
-            reason,
-            shape.items,
-            shape.events_per_user,
-        )
+        log.info("model auto setting: %s", reason)
     return model_config
 
 
