@@ -25,6 +25,7 @@ COPY pyproject.toml constraints.txt README.md ./
 COPY recsys ./recsys
 COPY beam_jobs ./beam_jobs
 COPY serving_export ./serving_export
+COPY conductor ./conductor
 # The same command as the Makefile and CI (tests/test_dockerfile.py keeps them in step), but a
 # regular install (no -e: the source tree is not shipped) without the dev extras.
 RUN --mount=type=cache,target=/root/.cache/pip \

@@ -4,13 +4,12 @@
 the inputs, the rejection reasons and the files written.
 """
 
-import os
+from recsys.core.tf_env import set_tf_env
 
-# TensorFlow picks its Keras at first import, and the TFRecord writer imports TensorFlow.
-os.environ.setdefault("TF_USE_LEGACY_KERAS", "1")
+# Before Beam: its TFRecord writer imports TensorFlow, which reads the environment once.
+set_tf_env()
 
-import recsys  # noqa: F401  (the rest of the package's environment defaults)
-from beam_jobs._quiet import import_beam_quietly
+from beam_jobs._quiet import import_beam_quietly  # noqa: E402
 
 import_beam_quietly()
 

@@ -1,6 +1,6 @@
-"""Batched tf.train.Example encoding and TFRecord framing, byte-identical to recsys.schema.
+"""Batched tf.train.Example encoding and TFRecord framing, byte-identical to recsys.core.schema.
 
-`recsys.schema.encode_example` builds one protobuf message per row (~8.5 us). Here a whole
+`recsys.core.schema.encode_example` builds one protobuf message per row (~8.5 us). Here a whole
 batch is encoded with Arrow and numpy kernels: a serialised Example is a fixed sequence of
 length-prefixed pieces, and every prefix depends only on the length of what follows it, so
 each feature becomes (per-length prefix, value bytes) joined column-wise, with no Python call
@@ -25,7 +25,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from recsys.schema import FEATURES, Feature
+from recsys.core.schema import FEATURES, Feature
 
 try:  # the C implementation Beam's TFRecord sink uses (apache-beam[tfrecord])
     from google_crc32c import value as _crc32c
@@ -191,7 +191,7 @@ def byte_ranges(data: pa.Buffer, starts: np.ndarray, lengths: np.ndarray) -> pa.
 
 
 def encode_batch(columns: Mapping[str, pa.Array | np.ndarray]) -> pa.Array:
-    """Serialised tf.train.Example per row, byte-identical to recsys.schema.encode_example.
+    """Serialised tf.train.Example per row, byte-identical to recsys.core.schema.encode_example.
 
     `columns` holds every schema feature: bytes features as string/binary arrays, int64 and
     float features as numpy arrays, bytes_list features as binary arrays of pre-framed values

@@ -6,7 +6,7 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from recsys.errors import DataError
+from recsys.core.errors import DataError
 
 MOVIELENS_RATINGS = "u.data"
 # The ratings file a MovieLens preset reads from its folder (the other files are side files).

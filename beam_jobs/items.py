@@ -18,9 +18,9 @@ import apache_beam as beam
 from apache_beam.typehints import no_annotations
 
 from beam_jobs.records import UNKNOWN_ITEM, Rejection, rejection
-from recsys.config import DataConfig, ItemsConfig
-from recsys.errors import DataError
-from recsys.schema import ITEM_ID
+from recsys.core.config import DataConfig, ItemsConfig
+from recsys.core.errors import DataError
+from recsys.core.schema import ITEM_ID
 
 log = logging.getLogger(__name__)
 

@@ -41,9 +41,9 @@ from beam_jobs.stats import (
 from beam_jobs.users import ReadUsers, feature_names, user_source
 from beam_jobs.validation import MS_PER_SECOND, InvalidValue, parse_timestamp
 from beam_jobs.vocab import BuildVocabularies
-from recsys.config import PreprocessConfig, RecsysConfig
-from recsys.errors import ConfigError, DataError
-from recsys.layout import atomic_dir, end_of_day_utc, mark_complete
+from recsys.core.config import PreprocessConfig, RecsysConfig
+from recsys.core.errors import ConfigError, DataError
+from recsys.core.layout import atomic_dir, end_of_day_utc, mark_complete
 
 log = logging.getLogger(__name__)
 

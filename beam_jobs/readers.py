@@ -37,9 +37,9 @@ from beam_jobs.records import (
     rejection,
 )
 from beam_jobs.validation import validate
-from recsys.config import DataConfig
-from recsys.errors import ConfigError
-from recsys.schema import ITEM_ID, TIMESTAMP, USER_ID, WEIGHT
+from recsys.core.config import DataConfig
+from recsys.core.errors import ConfigError
+from recsys.core.schema import ITEM_ID, TIMESTAMP, USER_ID, WEIGHT
 
 REJECTED = "rejected"
 PARQUET_BATCH_ROWS = 64 * 1024

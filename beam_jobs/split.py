@@ -35,7 +35,7 @@ from beam_jobs.records import (
     rejection,
 )
 from beam_jobs.sinks import TFRecordFile, shard_path
-from recsys.schema import HISTORY, ITEM_ID, SPLITS, TIMESTAMP, USER_ID, WEIGHT
+from recsys.core.schema import HISTORY, ITEM_ID, SPLITS, TIMESTAMP, USER_ID, WEIGHT
 
 REJECTED = "rejected"
 COUNTS = "counts"

@@ -20,9 +20,10 @@ from apache_beam.typehints import no_annotations
 from beam_jobs import records as r
 from beam_jobs.inputs import InputFile
 from beam_jobs.vocab import ITEM_FEATURES_FILE, ITEMS_FILE, VOCAB_DIR
-from recsys.schema import SPLITS
+from recsys.core.layout import DataFile
+from recsys.core.schema import SPLITS
 
-STATS_FILE = "stats.json"
+STATS_FILE = DataFile.STATS
 INPUT_ROWS = "input_rows"
 SPLIT_KEY = "split:"
 REJECTED_KEY = "rejected:"

@@ -19,8 +19,8 @@ import apache_beam as beam
 from apache_beam.typehints import no_annotations
 
 from beam_jobs.items import _text_lines, preset_side_file
-from recsys.config import DataConfig, UsersConfig
-from recsys.errors import DataError
+from recsys.core.config import DataConfig, UsersConfig
+from recsys.core.errors import DataError
 
 log = logging.getLogger(__name__)
 

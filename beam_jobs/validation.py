@@ -16,7 +16,7 @@ from beam_jobs.records import (
     Rejection,
     rejection,
 )
-from recsys.schema import ITEM_ID, TIMESTAMP, USER_ID, WEIGHT
+from recsys.core.schema import ITEM_ID, TIMESTAMP, USER_ID, WEIGHT
 
 DEFAULT_WEIGHT = 1.0
 MS_PER_SECOND = 1000

@@ -17,12 +17,13 @@ from apache_beam.typehints import no_annotations
 
 from beam_jobs import columnar as col
 from beam_jobs.split import COUNT, COUNTS_SCHEMA, ID, sum_counts
-from recsys.schema import GENRES, TITLE
+from recsys.core.layout import DataFile
+from recsys.core.schema import GENRES, TITLE
 
-VOCAB_DIR = "vocab"
+VOCAB_DIR = DataFile.VOCAB
 USERS_FILE = "users.txt"
 ITEMS_FILE = "items.txt"
-ITEM_FEATURES_FILE = "item_features.parquet"
+ITEM_FEATURES_FILE = DataFile.ITEM_FEATURES
 USER_FEATURES_FILE = "user_features.parquet"
 USER_ID_COLUMN = "user_id"
 ITEM_FEATURES_SCHEMA = pa.schema(

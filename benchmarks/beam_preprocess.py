@@ -9,7 +9,7 @@ rounds (ours, naive, plain, ours, ...) so that load from other processes hits th
 and ratios are taken within a round. All three do the same work: read Parquet, validate,
 drop exact duplicates, leave-last-out split per user with a 20-item history, serialise
 tf.train.Example (ours with beam_jobs.examples, byte-identical to the other two's
-recsys.schema.encode_example) and write gzip TFRecords at level 6. Results are printed as JSON
+recsys.core.schema.encode_example) and write gzip TFRecords at level 6. Results are printed as JSON
 lines and as a markdown table (docs/BENCHMARKS.md).
 """
 
@@ -75,7 +75,7 @@ def generate(rows: int, folder: Path, seed: int = 0) -> Path:
 def run_ours(data: Path, out: Path) -> int:
     """beam_jobs.run_preprocess with the default runner."""
     from beam_jobs.pipeline import run_preprocess
-    from recsys.config import parse_config
+    from recsys.core.config import parse_config
 
     config = parse_config(
         {
@@ -98,8 +98,8 @@ def run_naive(data: Path, out: Path) -> int:
     from apache_beam.runners.portability.fn_api_runner import FnApiRunner
 
     from beam_jobs.validation import parse_id, parse_timestamp, parse_weight
-    from recsys.layout import end_of_day_utc
-    from recsys.schema import encode_example
+    from recsys.core.layout import end_of_day_utc
+    from recsys.core.schema import encode_example
 
     cutoff = end_of_day_utc(RUN_DATE)
 
@@ -168,8 +168,8 @@ def run_plain(data: Path, out: Path) -> int:
     import pyarrow.parquet as pq
     from apache_beam.io.tfrecordio import _TFRecordUtil
 
-    from recsys.layout import end_of_day_utc
-    from recsys.schema import encode_example
+    from recsys.core.layout import end_of_day_utc
+    from recsys.core.schema import encode_example
 
     table = pa.concat_tables(pq.read_table(f) for f in sorted(data.glob("*.parquet")))
     rows = table.num_rows

@@ -32,19 +32,22 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-import recsys  # noqa: F401  (sets TF_USE_LEGACY_KERAS before TensorFlow is imported)
+from recsys.core.tf_env import set_tf_env
+
+set_tf_env()  # before TensorFlow's first import, below: TFRS needs Keras 2
 
 # isort: split
 import numpy as np
 import tensorflow as tf
 
 from beam_jobs.items import read_items
-from recsys import stages
-from recsys.config import ItemsConfig, load_config
-from recsys.layout import Workdir
+from conductor import stages
+from recsys.core.config import ItemsConfig, load_config
+from recsys.core.layout import Workdir
 from recsys.model import TrainedModel
 from serving_export import samples
-from serving_export.savedmodels import CANDIDATE, QUERY, SIGNATURE, export_savedmodels
+from serving_export.savedmodels import export_savedmodels
+from serving_export.signatures import CANDIDATE, QUERY, SIGNATURE
 
 REPO = Path(__file__).resolve().parent.parent
 DATE = dt.date(1998, 4, 30)  # after the last rating in u.data

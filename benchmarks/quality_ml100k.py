@@ -37,18 +37,22 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import recsys  # noqa: F401  (sets TF_USE_LEGACY_KERAS before TensorFlow is imported)
+from recsys.core.tf_env import set_tf_env
+
+set_tf_env()  # before TensorFlow's first import, below: TFRS needs Keras 2
 
 # isort: split
 import numpy as np
 import tensorflow as tf
 import tensorflow_recommenders as tfrs
 
-from recsys import baselines, schema, stages
+from conductor import stages
+from recsys import baselines
 from recsys import evaluation as ev
-from recsys.config import EvaluationConfig, RecsysConfig, load_config
-from recsys.layout import Workdir
-from recsys.training.dataset import load_split
+from recsys.core import schema
+from recsys.core.config import EvaluationConfig, RecsysConfig, load_config
+from recsys.core.layout import Workdir
+from recsys.data_io import load_split
 
 REPO = Path(__file__).resolve().parent.parent
 DATE = dt.date(1998, 4, 30)  # after the last rating in u.data

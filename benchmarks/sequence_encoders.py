@@ -27,7 +27,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-import recsys  # noqa: F401  (sets TF_USE_LEGACY_KERAS before TensorFlow is imported)
+from recsys.core.tf_env import set_tf_env
+
+set_tf_env()  # before TensorFlow's first import, below: TFRS needs Keras 2
 
 # isort: split
 import numpy as np
@@ -36,13 +38,13 @@ import yaml
 
 from recsys import baselines
 from recsys import evaluation as ev
-from recsys.config import EvaluationConfig, RecsysConfig, load_config
+from recsys.core.config import EvaluationConfig, RecsysConfig, load_config
+from recsys.data_io import load_split
 from recsys.training import trainer
-from recsys.training.dataset import load_split
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "benchmarks"))
-from quality_ml100k import Splits, _ids, _metrics  # noqa: E402  (the same baseline code)
+from quality_ml100k import Splits, _ids, _metrics  # the same baseline code
 
 EVAL = EvaluationConfig(ks=[10, 50], ndcg_k=10, mrr_k=100, coverage_k=10)
 REPORTED = ("recall_at_10", "recall_at_50", "ndcg_at_10")

@@ -36,10 +36,12 @@ from typing import Any
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-import recsys  # noqa: E402,F401  (sets TF_USE_LEGACY_KERAS before TensorFlow is imported)
+from recsys.core.tf_env import set_tf_env
+
+set_tf_env()  # before TensorFlow's first import, below: TFRS needs Keras 2
 
 # isort: split
-import numpy as np  # noqa: E402
+import numpy as np
 
 DIM = 64
 USERS = 10_000
@@ -53,7 +55,7 @@ def generate_model(num_items: int, seed: int) -> Any:
     """A TrainedModel whose tables are low-rank + noise (structure like trained factors)."""
     import tensorflow as tf
 
-    from recsys.config import ModelConfig
+    from recsys.core.config import ModelConfig
     from recsys.model import TrainedModel
 
     rng = np.random.default_rng(seed)

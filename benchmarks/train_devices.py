@@ -32,14 +32,16 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-import recsys  # noqa: F401  (sets TF_USE_LEGACY_KERAS before TensorFlow is imported)
+from recsys.core.tf_env import set_tf_env
+
+set_tf_env()  # before TensorFlow's first import, below: TFRS needs Keras 2
 
 # isort: split
 import tensorflow as tf
 
-from recsys import stages
-from recsys.config import RecsysConfig, parse_config
-from recsys.layout import Workdir
+from conductor import stages
+from recsys.core.config import RecsysConfig, parse_config
+from recsys.core.layout import Workdir
 
 
 def base_config(args: argparse.Namespace) -> RecsysConfig:

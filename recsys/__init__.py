@@ -1,12 +1,12 @@
-"""recsys: nightly retraining of two-tower retrieval models.
+"""recsys: the library of nightly retraining of two-tower retrieval models.
 
-TFRS needs Keras 2 (tf_keras); TensorFlow picks its Keras at first import, so the flag is set
-here, before any submodule can import TensorFlow.
+`recsys.core` (schema, config, errors, run layout) imports nothing of ours; the model, training
+and evaluation sit on it; `recsys.tracking` (MLflow runs, registry, gate, comparisons) above
+them. The nightly conductor and the CLI live in the top-level `conductor` package.
 """
 
-import os
+from recsys.core.tf_env import set_tf_env
 
-os.environ.setdefault("TF_USE_LEGACY_KERAS", "1")
-os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+set_tf_env()
 
 __version__ = "0.1.0"

@@ -10,7 +10,7 @@ averaged over users. coverage@K is the share of the catalog that appears in any 
 top K. A target missing from the catalog (an item never seen in training) is a miss.
 Scores are computed in user batches, so memory is batch x catalog, never users x catalog.
 Per batch the work is a few linear passes over the scores (mask, two rank counts, block
-maxima); no sort or partition of whole catalog rows (see `top_k_columns`).
+maxima); no sort or partition of whole catalog rows (see `recsys.topk.top_k_columns`).
 """
 
 from __future__ import annotations
@@ -26,8 +26,9 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 from threadpoolctl import threadpool_limits
 
-from recsys import schema
-from recsys.config import EvaluationConfig
+from recsys.core import schema
+from recsys.core.config import EvaluationConfig
+from recsys.topk import top_k_columns
 
 _MAX_THREADS = 4
 """Score batches evaluated at once, on as many threads (at most twice the CPU count)."""
@@ -190,28 +191,6 @@ def _target_ranks(scores: np.ndarray, targets: np.ndarray) -> np.ndarray:
         higher[r] += np.count_nonzero(sub[r, : cols[r]] == target_scores[r, 0])
     ranks[rows] = higher
     return ranks
-
-
-def top_k_columns(scores: np.ndarray, k: int, block: int = 128) -> np.ndarray:
-    """[rows, k] column indices of each row's k largest scores (unordered; ties arbitrary).
-
-    Each row's top k lie in the (at most) k column blocks whose maxima are the k largest, so
-    one pass computes every block's maximum and only those k blocks (k * block candidates)
-    are partitioned, instead of partitioning whole catalog rows.
-    """
-    n, m = scores.shape
-    k = min(k, m)
-    if m <= 4 * k * block:  # small catalogs: a direct partition is as cheap
-        return np.argpartition(-scores, k - 1, axis=1)[:, :k]
-    starts = np.arange(0, m, block)
-    maxima = np.maximum.reduceat(scores, starts, axis=1)  # [n, blocks], ragged last block
-    blocks = np.argpartition(-maxima, k - 1, axis=1)[:, :k]  # [n, k]
-    cols = (blocks[:, :, None] * block + np.arange(block)).reshape(n, k * block)
-    inside = cols < m
-    cols = np.where(inside, cols, 0)
-    candidates = np.where(inside, np.take_along_axis(scores, cols, axis=1), -np.inf)
-    best = np.argpartition(-candidates, k - 1, axis=1)[:, :k]
-    return np.take_along_axis(cols, best, axis=1)
 
 
 def per_user_values(ranks: np.ndarray, config: EvaluationConfig) -> dict[str, np.ndarray]:

@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from recsys.schema import GENRES, TITLE
+from recsys.core.schema import GENRES, TITLE
 
 if TYPE_CHECKING:
     import tensorflow as tf

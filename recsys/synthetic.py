@@ -18,7 +18,7 @@ from pathlib import Path
 
 import numpy as np
 
-from recsys.config import SyntheticConfig
+from recsys.core.config import SyntheticConfig
 
 HEADER = ("user_id", "item_id", "timestamp", "weight")
 ITEM_HEADER = ("item_id", "title", "genres")

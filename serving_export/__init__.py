@@ -1,8 +1,8 @@
 """Serving artifacts of a trained model: TF Serving SavedModels, embeddings Parquet, verification.
 
-`recsys` is imported first because it sets TF_USE_LEGACY_KERAS, which must happen before
-TensorFlow is imported anywhere in the process. The public functions are imported lazily, so
-`serving_export.serving_config` (models.config) can be used without loading TensorFlow.
+`set_tf_env` runs first: TF_USE_LEGACY_KERAS must be set before TensorFlow is imported anywhere
+in the process. The public functions are imported lazily, so `serving_export.serving_config`
+(models.config) can be used without loading TensorFlow.
 """
 
 from __future__ import annotations
@@ -10,7 +10,9 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-import recsys  # noqa: F401  (sets TF_USE_LEGACY_KERAS before TensorFlow is imported)
+from recsys.core.tf_env import set_tf_env
+
+set_tf_env()
 
 _PUBLIC = {
     "export_savedmodels": "serving_export.savedmodels",

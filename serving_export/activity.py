@@ -15,8 +15,9 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from recsys import schema
-from recsys.training.dataset import latest_items
+from recsys.core import schema
+from recsys.core.layout import DataFile
+from recsys.data_io import decoded, latest_items, load_split
 
 # Parquet has no seconds unit (pyarrow would coerce to ms on write): ms from the start.
 TIMESTAMP_TYPE = pa.timestamp("ms", tz="UTC")
@@ -40,13 +41,11 @@ def read_activity(
     interactions, the count the model's logQ correction used) and `last_seen`. Ids absent
     from the data get 0 and a null time.
     """
-    from recsys.training.dataset import load_split
-
     parts = [load_split(data_dir, split) for split in schema.SPLITS]
-    user = _decoded([u for p in parts for u in p[schema.USER_ID]])
-    item = _decoded([i for p in parts for i in p[schema.ITEM_ID]])
+    user = decoded([u for p in parts for u in p[schema.USER_ID]])
+    item = decoded([i for p in parts for i in p[schema.ITEM_ID]])
     stamp = np.array([t for p in parts for t in p[schema.TIMESTAMP]], dtype=np.int64)
-    train_items = _decoded(list(parts[0][schema.ITEM_ID]))
+    train_items = decoded(list(parts[0][schema.ITEM_ID]))
     histories = None
     if history_length:
         histories = latest_items(user, item, stamp, users, history_length)
@@ -81,7 +80,7 @@ def _last_seen(values: np.ndarray, stamp: np.ndarray, ids: Sequence[str]) -> pa.
 
 
 def _popularity(data_dir: Path, train_items: np.ndarray, items: Sequence[str]) -> np.ndarray:
-    path = data_dir / "item_features.parquet"
+    path = data_dir / DataFile.ITEM_FEATURES
     if path.is_file() and "train_count" in pq.read_schema(path).names:
         table = pq.read_table(path, columns=["item_id", "train_count"])
         counts = dict(
@@ -89,7 +88,3 @@ def _popularity(data_dir: Path, train_items: np.ndarray, items: Sequence[str]) -
         )
         return np.array([counts.get(i, 0) for i in items], dtype=np.int64)
     return _counts(train_items, items)
-
-
-def _decoded(values: list[bytes | str]) -> np.ndarray:
-    return np.array([v.decode("utf-8") if isinstance(v, bytes) else v for v in values], dtype=str)

@@ -16,17 +16,18 @@ from typing import Any
 
 import numpy as np
 
-from recsys.errors import EmbeddingsContractError
+from recsys.core.errors import EmbeddingsContractError
+from recsys.core.layout import EmbeddingsFile
+from recsys.topk import ExactNumpyTopK, IndexTopK
+from serving_export.manifest import file_sha256, read_manifest
 
-INDEX_FILE = "items.faiss"
+INDEX_FILE = EmbeddingsFile.ANN_INDEX
 RECALL_QUERIES = 1000
 # faiss warns below ~39 training points per centroid; keep clusters well fed.
 _POINTS_PER_LIST = 39
 # k-means is trained on at most this many points per list (faiss samples them): 1M items at
 # 256 per list (faiss's default) took over 10 minutes on 2 cores; 64 keeps it to seconds.
 _TRAIN_POINTS_PER_LIST = 64
-# Scores per brute-force chunk (float32): 32M = 128 MB.
-_SCORE_BUDGET = 1 << 25
 
 
 def default_nlist(num_items: int) -> int:
@@ -56,20 +57,8 @@ def build_index(vectors: np.ndarray, nlist: int | None = None, nprobe: int = 16)
 
 
 def exact_top_k(items: np.ndarray, queries: np.ndarray, k: int) -> np.ndarray:
-    """[q, k] item rows of the k highest dot products per query (numpy brute force).
-
-    Queries go in chunks of at most _SCORE_BUDGET scores: 1,000 queries against 1M items at
-    once is a 4 GB score matrix, and argpartition copies it (measured: past 15 GB).
-    """
-    k = min(k, len(items))
-    step = max(1, _SCORE_BUDGET // max(len(items), 1))
-    parts = []
-    for start in range(0, len(queries), step):
-        scores = queries[start : start + step] @ items.T
-        top = np.argpartition(-scores, k - 1, axis=1)[:, :k]
-        order = np.argsort(-np.take_along_axis(scores, top, axis=1), axis=1, kind="stable")
-        parts.append(np.take_along_axis(top, order, axis=1))
-    return np.concatenate(parts) if parts else np.zeros((0, k), np.int64)
+    """[q, k] item rows of the k highest dot products per query (recsys.topk, numpy exact)."""
+    return ExactNumpyTopK(items)(queries, k)[1]
 
 
 def recall_at_k(
@@ -79,7 +68,7 @@ def recall_at_k(
     if not len(queries) or not len(items):
         return float("nan")
     k = min(k, len(items))
-    _, found = index.search(np.ascontiguousarray(queries, dtype=np.float32), k)
+    _, found = IndexTopK(index)(queries, k)
     exact = exact_top_k(items, queries, k) if exact is None else exact[:, :k]
     hits = [len(set(a.tolist()) & set(b.tolist())) for a, b in zip(found, exact, strict=True)]
     return float(np.mean(hits) / k)
@@ -96,8 +85,6 @@ def build_ann(
 ) -> dict[str, Any]:
     """Build, measure and write `directory/items.faiss`; the manifest's `ann` entry."""
     import faiss
-
-    from serving_export.manifest import file_sha256
 
     start = time.perf_counter()
     index = build_index(items, nlist, nprobe)
@@ -127,8 +114,6 @@ def build_ann(
 def load_ann_index(directory: Path, verify_checksum: bool = True) -> Any:
     """The version's faiss index with its recorded nprobe, checked against the manifest."""
     import faiss
-
-    from serving_export.manifest import file_sha256, read_manifest
 
     manifest = read_manifest(directory)
     entry = manifest.get("ann")

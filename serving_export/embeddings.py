@@ -19,9 +19,9 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from recsys.errors import DataError
+from recsys.core.errors import DataError
+from recsys.core.schema import ITEM_ID, USER_ID
 from recsys.model import TrainedModel
-from recsys.schema import ITEM_ID, USER_ID
 
 EMBEDDING = "embedding"
 MODEL_VERSION = "model_version"

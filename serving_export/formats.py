@@ -21,8 +21,8 @@ from typing import Any
 
 import numpy as np
 
-from recsys.errors import DataError
-from recsys.layout import atomic_dir
+from recsys.core.errors import DataError
+from recsys.core.layout import atomic_dir
 from serving_export.manifest import KINDS, MANIFEST, Embeddings, load_embeddings, read_manifest
 
 FORMATS = ("parquet", "npy", "tfrecord")

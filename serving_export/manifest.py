@@ -22,11 +22,12 @@ from typing import Any
 import numpy as np
 import pyarrow.parquet as pq
 
-from recsys.errors import DataError, EmbeddingsContractError
-from recsys.schema import ITEM_ID, USER_ID
+from recsys.core.errors import DataError, EmbeddingsContractError
+from recsys.core.layout import EmbeddingsFile
+from recsys.core.schema import ITEM_ID, USER_ID
 from serving_export.embeddings import EMBEDDING, MODEL_VERSION, ROW_GROUP_SIZE, read_embeddings
 
-MANIFEST = "manifest.json"
+MANIFEST = EmbeddingsFile.MANIFEST
 FORMAT_VERSION = 1
 KINDS = {"items": ITEM_ID, "users": USER_ID}
 SIMILARITY = "dot"

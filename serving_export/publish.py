@@ -1,6 +1,6 @@
 """Staging, publishing and retention of a version's serving artifacts.
 
-The nightly export (recsys.stages.export) writes every artifact of a version into one
+The nightly export (conductor.stages.export) writes every artifact of a version into one
 staging folder (`export/.staging-<version>-<random>/`: the three SavedModels and
 `embeddings/<version>/`), verifies the SavedModels there, and only then publishes each folder
 with one rename. An exception or a killed process before that leaves nothing visible; the
@@ -18,15 +18,18 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-from recsys.config import ExportConfig
-from recsys.layout import replace_dir
+from recsys.core.config import ExportConfig
+from recsys.core.layout import EmbeddingsFile, replace_dir
 from recsys.model import TrainedModel
 from serving_export.activity import Activity
-from serving_export.embeddings import write_item_embeddings, write_user_embeddings
+from serving_export.ann import build_ann
+from serving_export.embeddings import read_embeddings, write_item_embeddings, write_user_embeddings
+from serving_export.manifest import MANIFEST, write_manifest
+from serving_export.serving_config import read_version_labels, write_models_config
 
 log = logging.getLogger(__name__)
 
-# `.old-` is one of recsys.layout.TEMP_PREFIXES: a leftover of a killed prune is cleaned up.
+# `.old-` is one of recsys.core.layout.TEMP_PREFIXES: a leftover of a killed prune is cleaned up.
 _TRASH = ".old-"
 
 
@@ -43,17 +46,18 @@ def stage_embeddings(
     `models` are the same version's SavedModel dirs (their fingerprints go into the
     manifest); `activity` gives the users' latest histories and the extra columns.
     """
-    from serving_export.manifest import MANIFEST, write_manifest
-
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     items = write_item_embeddings(
-        model, directory / "items.parquet", version, activity.item_columns if activity else None
+        model,
+        directory / EmbeddingsFile.ITEMS,
+        version,
+        activity.item_columns if activity else None,
     )
     users = write_user_embeddings(
         model,
         model.users,
-        directory / "users.parquet",
+        directory / EmbeddingsFile.USERS,
         version,
         histories=activity.histories if activity else None,
         columns=activity.user_columns if activity else None,
@@ -74,12 +78,9 @@ def stage_embeddings(
 
 
 def _build_ann(directory: Path, config: ExportConfig) -> dict[str, Any]:
-    from serving_export.ann import build_ann
-    from serving_export.embeddings import read_embeddings
-
     # Built from the files just written, as an external consumer would build it.
-    _, items, _ = read_embeddings(directory / "items.parquet")
-    _, users, _ = read_embeddings(directory / "users.parquet")
+    _, items, _ = read_embeddings(directory / EmbeddingsFile.ITEMS)
+    _, users, _ = read_embeddings(directory / EmbeddingsFile.USERS)
     entry = build_ann(
         directory, items, users, config.ann_nlist, config.ann_nprobe, config.ann_recall_k
     )
@@ -128,10 +129,8 @@ def finish_publish(
     """After a publish: rewrite models.config (labels kept) and prune to export.keep_versions.
 
     The versions labelled champion/challenger in models.config (set after promotion by
-    recsys.promotion) and the new version are never pruned.
+    conductor.promotion) and the new version are never pruned.
     """
-    from serving_export.serving_config import read_version_labels, write_models_config
-
     names = list(names)
     labels = read_version_labels(export_root)
     config_path = write_models_config(export_root, names, labels, config.serving_base_path)

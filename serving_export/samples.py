@@ -14,9 +14,10 @@ from typing import Any
 
 import numpy as np
 
-from recsys import schema
+from recsys.core import schema
+from recsys.core.schema import GENRES, HISTORY, ITEM_ID, TITLE, USER_ID
 from recsys.model import TrainedModel
-from recsys.schema import GENRES, HISTORY, ITEM_ID, TITLE, USER_ID
+from serving_export.signatures import CANDIDATE, EXAMPLES, RETRIEVAL, SIGNATURE, K
 
 MAX_KNOWN_SAMPLE = 64
 # Several unknown ids so that more than one OOV bucket is exercised; "" is a real request too.
@@ -131,7 +132,7 @@ def strings(values: Sequence[str]) -> np.ndarray:
 
 
 def tf_example(features: dict[str, Any]) -> bytes:
-    """A serialized tf.Example holding only `features`, typed by `recsys.schema.FEATURES`."""
+    """A serialized tf.Example holding only `features`, typed by `recsys.core.schema.FEATURES`."""
     from tensorflow.core.example import example_pb2
 
     kinds = {f.name: f.kind for f in schema.FEATURES + schema.ITEM_FEATURES}
@@ -177,8 +178,6 @@ def request_inputs(
     ks: Sequence[int],
 ) -> dict[str, np.ndarray]:
     """The named input arrays of one signature call of model `name` on the given samples."""
-    from serving_export.savedmodels import CANDIDATE, EXAMPLES, RETRIEVAL, SIGNATURE, K
-
     raw = signature == SIGNATURE
     if name == CANDIDATE:
         if not raw:

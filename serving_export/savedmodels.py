@@ -8,7 +8,7 @@
 
 All take raw strings, so a client needs no vocabulary: `history` holds the user's previous item
 ids oldest first, right-padded with "" (m may be 0); `examples` are serialized tf.Example protos
-parsed with `recsys.schema.feature_spec()` (missing features take the schema defaults). Unknown
+parsed with `recsys.core.schema.feature_spec()` (missing features take the schema defaults). Unknown
 ids hash into the model's out-of-vocabulary buckets exactly as during training (`TrainedModel`
 lookups), "" history entries are ignored and only the last `model.history_length` ids count.
 The candidate model tokenises `genres` ("" -padded) and `title` in the graph with the rules of
@@ -28,17 +28,13 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-# Not left to serving_export/__init__.py: a stale editable install can resolve serving_export as
-# a namespace package, and then nothing but this line sets the flag before TensorFlow loads.
-import recsys  # noqa: F401  (sets TF_USE_LEGACY_KERAS before TensorFlow is imported)
-
-# isort: split
-import numpy as np
 import tensorflow as tf
 
-from recsys import schema
+from recsys.core import schema
+from recsys.core.layout import atomic_dir
+from recsys.core.schema import GENRES, HISTORY, ITEM_ID, TITLE, USER_ID
+from recsys.data_io import history_indices
 from recsys.item_tokens import GRAPH_TOKENIZERS, graph_token_matrix
-from recsys.layout import atomic_dir
 from recsys.model import (
     HISTORY_INDEX,
     ITEM_INDEX,
@@ -47,29 +43,25 @@ from recsys.model import (
     feature_index,
     string_lookup,
 )
-from recsys.schema import GENRES, HISTORY, ITEM_ID, TITLE, USER_ID
-from recsys.training.dataset import history_indices
-
-QUERY = "query"
-CANDIDATE = "candidate"
-RETRIEVAL = "retrieval"
-MODEL_NAMES = (QUERY, CANDIDATE, RETRIEVAL)
-SIGNATURE = "serving_default"
-TF_EXAMPLE_SIGNATURE = "predict_tf_example"
-SIGNATURES = (SIGNATURE, TF_EXAMPLE_SIGNATURE)
-EMBEDDING = "embedding"
-ITEM_IDS = "item_ids"
-SCORES = "scores"
-EXAMPLES = "examples"
-K = "k"
-USER_VOCAB_ASSET = "users.txt"
-ITEM_VOCAB_ASSET = "items.txt"
-PAD_ITEM_ID = ""
-# Scores are dot products of L2-normalised vectors, in [-1, 1]: -2 sorts below every real
-# score and, unlike -inf, is valid JSON in a TF Serving REST response. Unnormalised towers
-# (`model.normalize: false`) have unbounded scores: they pad with the lowest float32.
-PAD_SCORE = -2.0
-UNNORMALIZED_PAD_SCORE = float(np.finfo(np.float32).min)
+from recsys.topk import exact_tf_top_k
+from serving_export.signatures import (
+    CANDIDATE,
+    EMBEDDING,
+    EXAMPLES,
+    ITEM_IDS,
+    ITEM_VOCAB_ASSET,
+    PAD_ITEM_ID,
+    PAD_SCORE,
+    QUERY,
+    RETRIEVAL,
+    SCORES,
+    SIGNATURE,
+    TF_EXAMPLE_SIGNATURE,
+    UNNORMALIZED_PAD_SCORE,
+    USER_VOCAB_ASSET,
+    K,
+)
+from serving_export.warmup import warmup_requests, write_warmup_requests
 
 
 def pad_score(model: TrainedModel) -> float:
@@ -247,7 +239,6 @@ class RetrievalModule(tf.Module):
         self.pad_score = pad_score(model)
 
     def _top_k(self, queries: tf.Tensor, k: tf.Tensor) -> dict[str, tf.Tensor]:
-        scores = tf.matmul(queries, self.item_embeddings, transpose_b=True)
         batch = tf.shape(queries)[0]
         k = tf.reshape(k, [-1])
         # One k per row (the REST row format needs every input batched); a single k, or any
@@ -259,11 +250,11 @@ class RetrievalModule(tf.Module):
         )
         per_row = tf.clip_by_value(per_row, 1, self.max_k)
         width = tf.reduce_max(tf.concat([per_row, [1]], 0))
-        top = tf.math.top_k(scores, k=width, sorted=True)  # ties: lower index (vocab order) first
+        scores, rows = exact_tf_top_k(queries, self.item_embeddings, width)  # recsys.topk
         keep = tf.range(width)[None, :] < per_row[:, None]
         return {
-            ITEM_IDS: tf.where(keep, tf.gather(self.item_ids, top.indices), PAD_ITEM_ID),
-            SCORES: tf.where(keep, top.values, self.pad_score),
+            ITEM_IDS: tf.where(keep, tf.gather(self.item_ids, rows), PAD_ITEM_ID),
+            SCORES: tf.where(keep, scores, self.pad_score),
         }
 
     @tf.function(input_signature=[_USER_ID_SPEC, _HISTORY_SPEC, _K_SPEC])
@@ -291,8 +282,6 @@ def export_savedmodels(
     `top_k` is the largest k a retrieval request may ask for; `warmup` writes TF Serving warmup
     requests (assets.extra/) into each model before it is published.
     """
-    from serving_export.warmup import warmup_requests, write_warmup_requests
-
     _check_args(model, version, top_k)
     export_root = Path(export_root)
     with tempfile.TemporaryDirectory(prefix="recsys-vocab-") as scratch:
@@ -376,8 +365,6 @@ def _publish(module: tf.Module, target: Path, extra: Callable[[Path], None]) -> 
 
 
 __all__ = [
-    "MODEL_NAMES",
-    "SIGNATURES",
     "CandidateModule",
     "ItemInputs",
     "QueryModule",

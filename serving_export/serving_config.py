@@ -17,9 +17,11 @@ import uuid
 from collections.abc import Sequence
 from pathlib import Path
 
+from recsys.core.layout import WorkdirFile
+
 log = logging.getLogger(__name__)
 
-MODELS_CONFIG = "models.config"
+MODELS_CONFIG = WorkdirFile.MODELS_CONFIG
 LABELS = ("champion", "challenger")
 
 

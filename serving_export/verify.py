@@ -23,17 +23,17 @@ from pathlib import Path
 from typing import Any
 
 # The flag must be set before TensorFlow loads, even if this module is imported first.
-import recsys  # noqa: F401  (sets TF_USE_LEGACY_KERAS before TensorFlow is imported)
 
 # isort: split
 import numpy as np
 import tensorflow as tf
 
-from recsys.errors import ExportVerificationError
+from recsys.core.errors import ExportVerificationError
 from recsys.model import TrainedModel
 from serving_export import samples
 from serving_export.samples import UNKNOWN_USER_IDS, sample_histories, sample_users
-from serving_export.savedmodels import (
+from serving_export.savedmodels import pad_score, signature_specs
+from serving_export.signatures import (
     EMBEDDING,
     ITEM_IDS,
     MODEL_NAMES,
@@ -43,8 +43,6 @@ from serving_export.savedmodels import (
     RETRIEVAL,
     SCORES,
     SIGNATURES,
-    pad_score,
-    signature_specs,
 )
 
 __all__ = ["UNKNOWN_USER_IDS", "sample_histories", "sample_users", "verify_export"]

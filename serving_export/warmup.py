@@ -14,6 +14,7 @@ import numpy as np
 
 from recsys.model import TrainedModel
 from serving_export import samples
+from serving_export.signatures import SIGNATURES
 
 WARMUP_DIR = "assets.extra"
 WARMUP_FILE = "tf_serving_warmup_requests"
@@ -24,8 +25,6 @@ Request = tuple[str, dict[str, np.ndarray]]
 
 def warmup_requests(model: TrainedModel, name: str, max_k: int) -> list[Request]:
     """(signature, inputs) pairs for model `name`: batch 1 and a mixed batch per signature."""
-    from serving_export.savedmodels import SIGNATURES
-
     users = samples.sample_users(model, model.users[:1])
     mixed = users[:1] + users[-MIXED_BATCH + 1 :]  # a known user, unknown ones, ""
     histories = samples.sample_histories(model, len(mixed))

@@ -12,9 +12,9 @@ from pathlib import Path
 
 import pytest
 
-from recsys import stages
-from recsys.config import RecsysConfig, parse_config
-from recsys.layout import Workdir
+from conductor import stages
+from recsys.core.config import RecsysConfig, parse_config
+from recsys.core.layout import Workdir
 from recsys.synthetic import write_csv
 from tests.mlflow_server import MlflowServer, mlflow_server
 

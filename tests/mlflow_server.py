@@ -1,4 +1,8 @@
-"""A real `mlflow server` for tests: SQLite store, local artifacts, one worker, own group."""
+"""A real `mlflow server` for tests: SQLite (or a given) store, local artifacts, one worker.
+
+Options for the production set-up (tests/test_tracking_postgres.py): a PostgreSQL backend,
+`--serve-artifacts` (clients upload through the server) and the basic-auth app.
+"""
 
 from __future__ import annotations
 
@@ -46,26 +50,38 @@ def mlflow_executable() -> str:
 
 @contextmanager
 def mlflow_server(
-    root: Path, *, timeout_s: float = 120.0, port: int | None = None
+    root: Path,
+    *,
+    timeout_s: float = 120.0,
+    port: int | None = None,
+    backend_uri: str | None = None,
+    serve_artifacts: bool = False,
+    app_name: str | None = None,
+    env: dict[str, str] | None = None,
 ) -> Iterator[MlflowServer]:
     """Start `mlflow server` under `root`, wait until /health answers, stop its process group.
 
     `port` pins the port (e.g. a server "coming back" where clients expect it); default: free.
+    `backend_uri` replaces the SQLite store; `serve_artifacts` proxies artifacts (stored under
+    `root/artifacts`); `app_name` (e.g. "basic-auth") and `env` are passed to the server.
     """
     root.mkdir(parents=True, exist_ok=True)
     port = port or free_port()
     artifacts = root / "artifacts"
     log = root / "server.log"
+    store = ["--artifacts-destination" if serve_artifacts else "--default-artifact-root",
+             str(artifacts.resolve())]  # fmt: skip
     command = [
         mlflow_executable(), "server",
-        "--backend-store-uri", f"sqlite:///{root.resolve() / 'mlflow.db'}",
-        "--default-artifact-root", str(artifacts.resolve()),
+        "--backend-store-uri", backend_uri or f"sqlite:///{root.resolve() / 'mlflow.db'}",
+        *store, *(["--serve-artifacts"] if serve_artifacts else []),
+        *(["--app-name", app_name] if app_name else []),
         "--host", "127.0.0.1", "--port", str(port), "--workers", "1",
     ]  # fmt: skip
-    env = {**os.environ, **_SERVER_ENV}
+    env = {**os.environ, **_SERVER_ENV, **(env or {})}
     env.pop("MLFLOW_TRACKING_URI", None)
     started = time.monotonic()
-    with log.open("wb") as sink:
+    with log.open("ab") as sink:
         # Own session: uvicorn (and huey, if job execution were on) are children that a plain
         # terminate() would orphan; killing the group stops them all.
         proc = subprocess.Popen(

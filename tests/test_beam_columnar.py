@@ -1,6 +1,6 @@
 """The batched (columnar) paths of the Beam job against their per-row references.
 
-- beam_jobs.examples encodes byte-identically to recsys.schema.encode_example, framed as Beam's
+- beam_jobs.examples encodes byte-identically to recsys.core.schema.encode_example, framed as Beam's
   TFRecord writer does;
 - beam_jobs.split.split_shard gives the same rows, splits, histories and rejections as the
   per-user reference split_user;
@@ -30,9 +30,9 @@ from beam_jobs.pipeline import run_preprocess
 from beam_jobs.readers import Bounds, ReadSpec, read_batches, read_parquet
 from beam_jobs.split import SplitSettings, split_shard, split_user
 from beam_jobs.validation import validate
-from recsys.config import parse_config
-from recsys.layout import SUCCESS, end_of_day_utc
-from recsys.schema import SPLITS, encode_example
+from recsys.core.config import parse_config
+from recsys.core.layout import SUCCESS, end_of_day_utc
+from recsys.core.schema import SPLITS, encode_example
 
 RUN_DATE = dt.date(2026, 1, 5)
 CUTOFF = end_of_day_utc(RUN_DATE)
@@ -366,7 +366,7 @@ def test_big_shards_in_several_passes_give_the_same_examples(
 ) -> None:
     import tensorflow as tf
 
-    from recsys.schema import decode_example
+    from recsys.core.schema import decode_example
 
     log = tmp_path / "log.csv"
     rows = [f"u{u},i{(u * k) % 7},{CUTOFF - DAY + 60 * k + u}" for u in range(40) for k in range(6)]

@@ -16,10 +16,10 @@ import tensorflow as tf
 from beam_jobs.pipeline import run_preprocess
 from beam_jobs.split import histories, window_split_names
 from beam_jobs.stats import popularity
-from recsys.config import RecsysConfig, parse_config
-from recsys.layout import SUCCESS, Workdir, end_of_day_utc
-from recsys.schema import SPLITS, decode_example
-from recsys.stages import resolve_input
+from conductor.stages import resolve_input
+from recsys.core.config import RecsysConfig, parse_config
+from recsys.core.layout import SUCCESS, Workdir, end_of_day_utc
+from recsys.core.schema import SPLITS, decode_example
 from recsys.synthetic import GENRES, items_path, write_csv, write_items_csv
 
 RUN_DATE = dt.date(2026, 1, 5)

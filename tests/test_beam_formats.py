@@ -12,8 +12,8 @@ from beam_jobs.inputs import list_input_files
 from beam_jobs.items import read_items
 from beam_jobs.pipeline import run_preprocess
 from beam_jobs.readers import ReadSpec, read_delimited, read_jsonl, read_spec
-from recsys.config import DataConfig, ItemsConfig, parse_config
-from recsys.layout import SUCCESS, end_of_day_utc
+from recsys.core.config import DataConfig, ItemsConfig, parse_config
+from recsys.core.layout import SUCCESS, end_of_day_utc
 
 RUN_DATE = dt.date(2026, 1, 5)
 T = end_of_day_utc(RUN_DATE) - 86_400

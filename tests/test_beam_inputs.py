@@ -11,10 +11,10 @@ import pytest
 import tensorflow as tf
 
 from beam_jobs.pipeline import run_preprocess
-from recsys.config import RecsysConfig, parse_config
-from recsys.errors import DataError
-from recsys.layout import SUCCESS, end_of_day_utc
-from recsys.schema import decode_example
+from recsys.core.config import RecsysConfig, parse_config
+from recsys.core.errors import DataError
+from recsys.core.layout import SUCCESS, end_of_day_utc
+from recsys.core.schema import decode_example
 
 RUN_DATE = dt.date(2026, 1, 5)
 T = end_of_day_utc(RUN_DATE) - 86400
@@ -27,7 +27,7 @@ def config(data: dict[str, Any], **preprocess: Any) -> RecsysConfig:
 
 
 def split_rows(out: Path, split: str) -> list[Row]:
-    """A split's examples, decoded with recsys.schema.decode_example, sorted."""
+    """A split's examples, decoded with recsys.core.schema.decode_example, sorted."""
     files = sorted(str(p) for p in out.glob(f"{split}-*.tfrecord.gz"))
     records = tf.data.TFRecordDataset(files, compression_type="GZIP")
     # (user, item, timestamp, weight): the history feature has its own tests.

@@ -12,9 +12,9 @@ import pytest
 import tensorflow as tf
 
 from beam_jobs.pipeline import run_preprocess
-from recsys.config import RecsysConfig, parse_config
-from recsys.layout import SUCCESS
-from recsys.schema import SPLITS, feature_spec
+from recsys.core.config import RecsysConfig, parse_config
+from recsys.core.layout import SUCCESS
+from recsys.core.schema import SPLITS, feature_spec
 from recsys.synthetic import write_csv
 
 SHARDS = 2

@@ -13,9 +13,9 @@ from beam_jobs import records as r
 from beam_jobs.pipeline import run_preprocess
 from beam_jobs.readers import ReadSpec, read_delimited, read_jsonl
 from beam_jobs.validation import validate
-from recsys.config import parse_config
-from recsys.errors import DataError
-from recsys.layout import end_of_day_utc
+from recsys.core.config import parse_config
+from recsys.core.errors import DataError
+from recsys.core.layout import end_of_day_utc
 
 RUN_DATE = dt.date(2026, 1, 5)
 CUTOFF = end_of_day_utc(RUN_DATE)

@@ -7,9 +7,9 @@ from pathlib import Path
 import pytest
 
 from beam_jobs.pipeline import run_preprocess
-from recsys.config import RecsysConfig, parse_config
-from recsys.errors import DataError
-from recsys.layout import SUCCESS, end_of_day_utc
+from recsys.core.config import RecsysConfig, parse_config
+from recsys.core.errors import DataError
+from recsys.core.layout import SUCCESS, end_of_day_utc
 
 RUN_DATE = dt.date(2026, 1, 5)
 T = end_of_day_utc(RUN_DATE) - 86400  # midnight at the start of the run date

@@ -18,8 +18,8 @@ from beam_jobs.split import dedupe, split_names
 from beam_jobs.stats import ReconciliationError, assemble_stats, check_reconciled, fingerprint
 from beam_jobs.validation import InvalidValue, parse_id, parse_timestamp, parse_weight, validate
 from beam_jobs.vocab import ranked
-from recsys.config import DataConfig
-from recsys.errors import ConfigError, DataError
+from recsys.core.config import DataConfig
+from recsys.core.errors import ConfigError, DataError
 
 CSV_SPEC = ReadSpec("delimited", "user_id", "item_id", "timestamp", "weight", False)
 DAY = int(dt.datetime(2026, 1, 5, tzinfo=dt.UTC).timestamp())

@@ -12,7 +12,7 @@ import pytest
 def recsys(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess[str]:
     """Run the real `recsys` entry point in a fresh process."""
     return subprocess.run(
-        [sys.executable, "-m", "recsys.cli", *args],
+        [sys.executable, "-m", "conductor.cli", *args],
         capture_output=True,
         text=True,
         cwd=cwd,

@@ -10,13 +10,13 @@ import numpy as np
 import pytest
 from mlflow import MlflowClient
 
-from recsys.compare import compare, format_table, recall_ndcg_curves
-from recsys.config import RecsysConfig, parse_config
-from recsys.errors import ConfigError
+from conductor.promotion import publish_run
+from recsys.core.config import RecsysConfig, parse_config
+from recsys.core.errors import ConfigError
+from recsys.core.layout import Workdir
 from recsys.evaluation import per_user_values
-from recsys.gate import paired_bootstrap
-from recsys.layout import Workdir
-from recsys.promotion import publish_run
+from recsys.tracking.compare import compare, format_table, recall_ndcg_curves
+from recsys.tracking.gate import paired_bootstrap
 from tests.mlflow_server import MlflowServer
 from tests.test_tracking_registry import configured, fake_run
 

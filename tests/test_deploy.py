@@ -5,6 +5,7 @@ from __future__ import annotations
 import configparser
 from pathlib import Path
 
+import pytest
 import yaml
 
 DEPLOY = Path(__file__).resolve().parent.parent / "deploy"
@@ -45,3 +46,35 @@ def test_crontab_line_is_locked() -> None:
     assert len(jobs) == 1
     fields = jobs[0].split()
     assert len(fields[:5]) == 5 and "flock" in jobs[0] and "nightly" in jobs[0]
+
+
+def test_mlflow_server_manifest_is_the_documented_production_server() -> None:
+    docs = list(yaml.safe_load_all((DEPLOY / "kubernetes" / "mlflow-server.yaml").read_text()))
+    deployment = next(d for d in docs if d["kind"] == "Deployment")
+    pod = deployment["spec"]["template"]["spec"]
+    assert pod["securityContext"]["runAsNonRoot"] is True
+    container = pod["containers"][0]
+    assert container["command"] == ["mlflow"] and container["args"][0] == "server"
+    flags = set(container["args"])
+    assert {"--serve-artifacts", "--app-name=basic-auth"} <= flags
+    # The database URI (a password) comes only from the Secret, never from the manifest.
+    assert not any("postgresql" in arg for arg in container["args"])
+    assert container["envFrom"][0]["secretRef"]["name"] == "mlflow-server"
+    assert container["readinessProbe"]["httpGet"]["path"] == "/health"
+    mounts = {m["name"]: m["mountPath"] for m in container["volumeMounts"]}
+    assert "--artifacts-destination=" + mounts["artifacts"] in flags
+    env = {e["name"]: e.get("value") for e in container["env"]}
+    assert env["MLFLOW_AUTH_CONFIG_PATH"].startswith(mounts["auth"] + "/")
+    service = next(d for d in docs if d["kind"] == "Service")
+    assert service["spec"]["selector"] == deployment["spec"]["selector"]["matchLabels"]
+
+
+def test_basic_auth_example_is_read_by_mlflow(monkeypatch: pytest.MonkeyPatch) -> None:
+    from mlflow.server.auth.config import read_auth_config
+
+    example = DEPLOY.parent / "mlflow" / "basic_auth.ini.example"
+    monkeypatch.setenv("MLFLOW_AUTH_CONFIG_PATH", str(example))
+    config = read_auth_config()
+    assert config.default_permission == "READ"
+    assert config.database_uri.startswith("postgresql+psycopg2://")
+    assert config.authorization_function.endswith("authenticate_request_basic_auth")

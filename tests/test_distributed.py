@@ -29,7 +29,7 @@ MIRRORED_CHILD = textwrap.dedent(
     tf.config.set_logical_device_configuration(
         cpu, [tf.config.LogicalDeviceConfiguration()] * 2
     )
-    from recsys.config import ModelConfig
+    from recsys.core.config import ModelConfig
     from recsys.model import (
         HISTORY_INDEX, ITEM_INDEX, ITEM_LOG_PROB, USER_INDEX, TrainedModel, TwoTowerModel,
     )
@@ -101,9 +101,9 @@ WORKER_CHILD = textwrap.dedent(
     import datetime as dt, json, sys
     import recsys
     from pathlib import Path
-    from recsys import stages
-    from recsys.config import RecsysConfig
-    from recsys.layout import Workdir
+    from conductor import stages
+    from recsys.core.config import RecsysConfig
+    from recsys.core.layout import Workdir
 
     config = RecsysConfig.model_validate_json(Path(sys.argv[1]).read_text())
     date = dt.date.fromisoformat(sys.argv[3])
@@ -131,9 +131,9 @@ def test_multi_worker_mirrored_on_two_local_processes(tmp_path: Path) -> None:
     """strategy auto + a 2-worker TF_CONFIG -> MultiWorkerMirroredStrategy, one shared model."""
     import datetime as dt
 
-    from recsys import stages
-    from recsys.config import parse_config
-    from recsys.layout import Workdir
+    from conductor import stages
+    from recsys.core.config import parse_config
+    from recsys.core.layout import Workdir
     from tests.conftest import SMALL, SMALL_DATE
 
     config = parse_config(SMALL)
@@ -191,7 +191,7 @@ TRAINER_MIRRORED_CHILD = textwrap.dedent(
         cpu, [tf.config.LogicalDeviceConfiguration()] * 2
     )
     from pathlib import Path
-    from recsys.config import RecsysConfig
+    from recsys.core.config import RecsysConfig
     from recsys.training.trainer import train
 
     config = RecsysConfig.model_validate_json(Path(sys.argv[1]).read_text())
@@ -208,9 +208,9 @@ def test_trainer_mirrored_on_two_logical_cpus(tmp_path: Path) -> None:
     """The whole trainer (tf.data, validation recall, bfloat16) under MirroredStrategy."""
     import datetime as dt
 
-    from recsys import stages
-    from recsys.config import parse_config
-    from recsys.layout import Workdir
+    from conductor import stages
+    from recsys.core.config import parse_config
+    from recsys.core.layout import Workdir
     from tests.conftest import SMALL, SMALL_DATE
 
     config = parse_config(SMALL)

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from recsys import evaluation as ev
-from recsys.config import EvaluationConfig
+from recsys.core.config import EvaluationConfig
 
 CFG = EvaluationConfig(ks=[1, 2, 3], ndcg_k=2, mrr_k=3, coverage_k=1, user_batch_size=2)
 

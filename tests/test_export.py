@@ -10,11 +10,12 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from recsys.config import ModelConfig
-from recsys.errors import ExportVerificationError
+from recsys.core.config import ModelConfig
+from recsys.core.errors import ExportVerificationError
 from recsys.model import TrainedModel
 from serving_export import samples, savedmodels, verify
-from serving_export.savedmodels import (
+from serving_export.savedmodels import export_savedmodels, signature_specs
+from serving_export.signatures import (
     CANDIDATE,
     MODEL_NAMES,
     PAD_SCORE,
@@ -22,8 +23,6 @@ from serving_export.savedmodels import (
     RETRIEVAL,
     SIGNATURES,
     TF_EXAMPLE_SIGNATURE,
-    export_savedmodels,
-    signature_specs,
 )
 from serving_export.verify import compare_topk, sample_users, verify_export
 from serving_export.warmup import WARMUP_DIR, WARMUP_FILE, read_warmup_requests
@@ -462,10 +461,10 @@ def test_documented_rest_requests_run_against_the_exports(
 def test_unnormalized_towers_export_with_their_own_padding_and_manifest(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from recsys.config import ExportConfig
+    from recsys.core.config import ExportConfig
     from serving_export.manifest import read_manifest
     from serving_export.publish import stage_embeddings
-    from serving_export.savedmodels import UNNORMALIZED_PAD_SCORE
+    from serving_export.signatures import UNNORMALIZED_PAD_SCORE
 
     tf.keras.utils.set_random_seed(8)
     raw = TrainedModel.build(USERS, ITEMS, CONFIG.model_copy(update={"normalize": False}))

@@ -11,8 +11,8 @@ import pyarrow.parquet as pq
 import pytest
 import tensorflow as tf
 
-from recsys.config import ModelConfig
-from recsys.errors import DataError
+from recsys.core.config import ModelConfig
+from recsys.core.errors import DataError
 from recsys.model import TrainedModel
 from serving_export import embeddings
 from serving_export.embeddings import (
@@ -111,7 +111,7 @@ def test_rejects_negative_version(model: TrainedModel, tmp_path: Path) -> None:
 @pytest.fixture(scope="module")
 def version_dir(model: TrainedModel, tmp_path_factory: pytest.TempPathFactory) -> Path:
     """An embeddings version folder as the export stage stages it (with a faiss index)."""
-    from recsys.config import ExportConfig
+    from recsys.core.config import ExportConfig
     from serving_export.activity import TIMESTAMP_TYPE, Activity
     from serving_export.publish import stage_embeddings
 
@@ -167,7 +167,7 @@ def test_loader_refuses_files_that_disagree_with_the_manifest(
 ) -> None:
     import json
 
-    from recsys.errors import EmbeddingsContractError
+    from recsys.core.errors import EmbeddingsContractError
     from serving_export.manifest import MANIFEST, file_sha256, load_embeddings, vocabulary_hash
 
     with pytest.raises(EmbeddingsContractError, match=r"embedding dim .* expected says 64") as err:
@@ -243,7 +243,7 @@ def test_ann_recall_drops_when_few_lists_are_probed() -> None:
 
 
 def test_ann_index_with_a_wrong_checksum_is_refused(version_dir: Path, tmp_path: Path) -> None:
-    from recsys.errors import EmbeddingsContractError
+    from recsys.core.errors import EmbeddingsContractError
     from serving_export.ann import INDEX_FILE, load_ann_index
 
     bad = copy_of(version_dir, tmp_path)
@@ -257,7 +257,7 @@ def test_ann_index_with_a_wrong_checksum_is_refused(version_dir: Path, tmp_path:
 def test_cli_exports_a_version_in_each_format(
     model: TrainedModel, version_dir: Path, tmp_path: Path, fmt: str, capsys: pytest.CaptureFixture
 ) -> None:
-    from recsys.cli import main
+    from conductor.cli import main
     from serving_export.manifest import MANIFEST
 
     work = tmp_path / "work"
@@ -296,7 +296,7 @@ def test_cli_exports_a_version_in_each_format(
 def test_cli_error_for_a_missing_version_is_one_line(
     tmp_path: Path, capsys: pytest.CaptureFixture
 ) -> None:
-    from recsys.cli import main
+    from conductor.cli import main
 
     args = ["embeddings", "export", "--workdir", str(tmp_path), "--version", "9", "--format", "npy"]
     assert main(args) == 3
@@ -306,11 +306,13 @@ def test_cli_error_for_a_missing_version_is_one_line(
 
 
 def test_exact_top_k_in_bounded_chunks_equals_one_matmul(monkeypatch: pytest.MonkeyPatch) -> None:
+    from recsys import topk
     from serving_export import ann
 
     rng = np.random.default_rng(1)
-    items, queries = rng.normal(size=(300, 8)), rng.normal(size=(37, 8))
+    items = rng.normal(size=(300, 8)).astype(np.float32)
+    queries = rng.normal(size=(37, 8)).astype(np.float32)
     whole = np.argsort(-(queries @ items.T), axis=1, kind="stable")[:, :10]
-    monkeypatch.setattr(ann, "_SCORE_BUDGET", 1000)  # 3 queries per chunk
+    monkeypatch.setattr(topk, "_SCORE_BUDGET", 1000)  # 3 queries per chunk
     np.testing.assert_array_equal(ann.exact_top_k(items, queries, 10), whole)
     assert ann.exact_top_k(items, queries[:0], 10).shape == (0, 10)

@@ -18,19 +18,19 @@ import yaml
 from google.protobuf import text_format
 from tensorflow_serving.config import model_server_config_pb2
 
-from recsys import stages
-from recsys.config import ExportConfig, RecsysConfig
-from recsys.layout import Workdir
+from conductor import stages
+from recsys.core.config import ExportConfig, RecsysConfig
+from recsys.core.layout import Workdir
 from serving_export import savedmodels
 from serving_export.manifest import load_embeddings
 from serving_export.publish import finish_publish, prune_versions, versions
-from serving_export.savedmodels import MODEL_NAMES
 from serving_export.serving_config import (
     MODELS_CONFIG,
     read_version_labels,
     set_version_labels,
     write_models_config,
 )
+from serving_export.signatures import MODEL_NAMES
 from tests.conftest import SMALL_DATE
 
 DATE = dt.date.fromisoformat(SMALL_DATE)
@@ -97,8 +97,8 @@ def test_export_publishes_models_embeddings_manifest_and_config(
 def test_users_parquet_uses_the_latest_histories(
     exported: stages.ExportResult, trained: tuple[RecsysConfig, Workdir, Path]
 ) -> None:
+    from recsys.data_io import latest_histories
     from recsys.model import TrainedModel
-    from recsys.training.dataset import latest_histories
     from serving_export.activity import read_activity
 
     _, workdir, run_dir = trained
@@ -149,15 +149,14 @@ def test_a_killed_export_leaves_no_visible_version(
         import os, signal
         import recsys
         from pathlib import Path
-        from recsys import stages
-        from recsys.config import load_config
-        from recsys.layout import Workdir
-        import serving_export.publish as publish
+        from conductor import stages
+        from recsys.core.config import load_config
+        from recsys.core.layout import Workdir
 
         def killed(*args, **kwargs):
             os.kill(os.getpid(), signal.SIGKILL)
 
-        publish.stage_embeddings = killed
+        stages.stage_embeddings = killed  # stages imports it by name
         stages.export(load_config({str(tmp_path / "config.yaml")!r}),
                       Workdir(Path({str(workdir.root)!r})),
                       __import__("datetime").date.fromisoformat({SMALL_DATE!r}),
@@ -172,7 +171,7 @@ def test_a_killed_export_leaves_no_visible_version(
     leftovers = staging_dirs(workdir)
     assert len(leftovers) == 1 and not leftovers[0].name.isdigit()  # TF Serving ignores it
     assert versions(leftovers[0] / "query") == [exported.version]  # it died after staging
-    shutil.rmtree(leftovers[0])  # what recsys.layout.clean_temporaries does under the lock
+    shutil.rmtree(leftovers[0])  # what recsys.core.layout.clean_temporaries does under the lock
 
 
 def test_prune_keeps_the_newest_and_never_a_protected_version(tmp_path: Path) -> None:
@@ -228,8 +227,9 @@ def test_models_config_is_a_tf_serving_model_config_list(tmp_path: Path) -> None
 def test_promotion_points_the_labels_at_the_registry_versions(
     tmp_path: Path, small_config: RecsysConfig, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """The hook in recsys.promotion: registry alias -> run tag model_version -> label."""
-    from recsys import promotion, registry
+    """The hook in conductor.promotion: registry alias -> run tag model_version -> label."""
+    from conductor import promotion
+    from recsys.tracking import registry
 
     for name in MODEL_NAMES:
         for version in (1, 2):

@@ -52,7 +52,7 @@ def _start(config: Path, work: Path, *extra: str, fault: str | None = None) -> s
     env = {k: v for k, v in os.environ.items() if k != "RECSYS_FAULT"}
     if fault:
         env["RECSYS_FAULT"] = fault
-    command = [sys.executable, "-m", "recsys.cli", "nightly", "--config", str(config)]
+    command = [sys.executable, "-m", "conductor.cli", "nightly", "--config", str(config)]
     command += ["--workdir", str(work), "--date", DATE, *extra]
     return subprocess.Popen(
         command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env
@@ -282,7 +282,7 @@ def test_a_corrupt_shard_is_named(reference: dict, server: MlflowServer, tmp_pat
 
 
 def _backfill_command(config: Path, work: Path) -> list[str]:
-    command = [sys.executable, "-m", "recsys.cli", "backfill", "--config", str(config)]
+    command = [sys.executable, "-m", "conductor.cli", "backfill", "--config", str(config)]
     return [*command, "--workdir", str(work), "--start", "2026-01-04", "--end", DATE]
 
 

@@ -7,9 +7,15 @@ import json
 import numpy as np
 import pytest
 
-from recsys.config import GateConfig, parse_config
-from recsys.errors import ConfigError
-from recsys.gate import GateDecision, decide, first_model_decision, pair_users, paired_bootstrap
+from recsys.core.config import GateConfig, parse_config
+from recsys.core.errors import ConfigError
+from recsys.tracking.gate import (
+    GateDecision,
+    decide,
+    first_model_decision,
+    pair_users,
+    paired_bootstrap,
+)
 
 N = 2000
 CONFIG = GateConfig(bootstrap_samples=1000, guardrails={"ndcg_at_10": 0.01, "coverage_at_10": 0.05})

@@ -18,8 +18,8 @@ import pytest
 import yaml
 from mlflow import MlflowClient
 
-from recsys import cli
-from recsys.compare import user_segments
+from conductor import cli
+from recsys.tracking.compare import user_segments
 from tests.conftest import SMALL, SMALL_DATE
 from tests.mlflow_server import MlflowServer
 

@@ -17,7 +17,8 @@ import tensorflow as tf
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from recsys.config import ModelConfig
+from recsys.core.config import ModelConfig
+from recsys.core.schema import GENRES, ITEM_ID, TITLE
 from recsys.item_tokens import (
     MAX_RAW_TOKENS,
     PAD,
@@ -29,14 +30,9 @@ from recsys.item_tokens import (
     token_matrix,
 )
 from recsys.model import ItemFeatures, TrainedModel
-from recsys.schema import GENRES, ITEM_ID, TITLE
 from serving_export import samples, verify
-from serving_export.savedmodels import (
-    CANDIDATE,
-    SIGNATURE,
-    TF_EXAMPLE_SIGNATURE,
-    export_savedmodels,
-)
+from serving_export.savedmodels import export_savedmodels
+from serving_export.signatures import CANDIDATE, SIGNATURE, TF_EXAMPLE_SIGNATURE
 
 USERS = [f"u{i}" for i in range(10)]
 ITEMS = [f"item-{i}" for i in range(30)]

@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from recsys import stages
-from recsys.config import load_config
-from recsys.layout import Workdir
+from conductor import stages
+from recsys.core.config import load_config
+from recsys.core.layout import Workdir
 
 pytestmark = [pytest.mark.slow, pytest.mark.movielens]
 

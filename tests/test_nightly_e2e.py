@@ -14,7 +14,7 @@ import pyarrow.parquet as pq
 import pytest
 import yaml
 
-from recsys import schema
+from recsys.core import schema
 from tests.conftest import SMALL, SMALL_DATE
 
 pytestmark = pytest.mark.slow
@@ -23,7 +23,7 @@ pytestmark = pytest.mark.slow
 def recsys(*args: str) -> subprocess.CompletedProcess[str]:
     """Run the real CLI in a fresh process; fail with its output if it fails."""
     proc = subprocess.run(
-        [sys.executable, "-m", "recsys.cli", *args], capture_output=True, text=True, timeout=900
+        [sys.executable, "-m", "conductor.cli", *args], capture_output=True, text=True, timeout=900
     )
     assert proc.returncode == 0, f"recsys {' '.join(args)} failed:\n{proc.stdout}\n{proc.stderr}"
     return proc
@@ -145,8 +145,8 @@ def test_savedmodels_reload_in_a_fresh_process(nightly: tuple[Path, str], tmp_pa
     item_vectors = np.stack(items["embedding"].to_numpy(zero_copy_only=False))
     # users.parquet holds each user's vector with their latest items: send the same history
     # ("" pads the rows, as a TF Serving client would).
-    from recsys.config import ModelConfig
-    from recsys.training.dataset import latest_histories
+    from recsys.core.config import ModelConfig
+    from recsys.data_io import latest_histories
 
     length = ModelConfig.model_validate(SMALL["model"]).history_length
     hist = latest_histories(work / "data" / SMALL_DATE, ids, length)

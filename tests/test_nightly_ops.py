@@ -16,10 +16,8 @@ from zoneinfo import ZoneInfo
 
 import pytest
 
-from recsys.errors import ConfigError, WorkdirLockedError
-from recsys.layout import Workdir, clean_temporaries, mark_stage, parse_date, stage_info
-from recsys.lock import LOCK_FILE, WorkdirLock
-from recsys.nightly import (
+from conductor.lock import LOCK_FILE, WorkdirLock
+from conductor.nightly import (
     CHAMPION_FILE,
     NightlyResult,
     StageOutcome,
@@ -27,13 +25,15 @@ from recsys.nightly import (
     backfill,
     write_summary,
 )
-from recsys.progress import Progress
+from conductor.progress import Progress
+from recsys.core.errors import ConfigError, WorkdirLockedError
+from recsys.core.layout import Workdir, clean_temporaries, mark_stage, parse_date, stage_info
 
 _HOLD = textwrap.dedent(
     """
     import sys, time
     from pathlib import Path
-    from recsys.lock import WorkdirLock
+    from conductor.lock import WorkdirLock
     with WorkdirLock(Path(sys.argv[1]), command="holder-under-test"):
         print("held", flush=True)
         time.sleep(60)
@@ -66,7 +66,7 @@ def test_a_second_cli_command_exits_at_once_with_code_8(
     tmp_path: Path, held_lock: subprocess.Popen[str]
 ) -> None:
     proc = subprocess.run(
-        [sys.executable, "-m", "recsys.cli", "preprocess", "--workdir", str(tmp_path)],
+        [sys.executable, "-m", "conductor.cli", "preprocess", "--workdir", str(tmp_path)],
         capture_output=True,
         text=True,
         timeout=120,
@@ -216,7 +216,7 @@ def test_summary_lists_stages_counts_metrics_and_decision(tmp_path: Path) -> Non
 
 
 def test_backfill_refuses_an_inverted_range(tmp_path: Path) -> None:
-    from recsys.config import parse_config
+    from recsys.core.config import parse_config
 
     with pytest.raises(ConfigError, match="before --start"):
         backfill(parse_config({}), Workdir(tmp_path), dt.date(2026, 1, 5), dt.date(2026, 1, 4))

@@ -25,19 +25,19 @@ import pytest
 import yaml
 from mlflow import MlflowClient
 
-from recsys.cli import main as cli_main
-from recsys.config import RecsysConfig, parse_config
-from recsys.errors import ConfigError
-from recsys.layout import Workdir
-from recsys.promotion import PENDING, publish_run
-from recsys.redact import (
+from conductor.cli import main as cli_main
+from conductor.promotion import PENDING, publish_run
+from recsys.core.config import RecsysConfig, parse_config
+from recsys.core.errors import ConfigError
+from recsys.core.layout import Workdir
+from recsys.core.redact import (
     REDACTED,
     RedactingFilter,
     is_secret_name,
     redact_text,
     redact_tree,
 )
-from recsys.tracking import redacted_text_file
+from recsys.tracking.runs import redacted_text_file
 from tests.mlflow_server import (
     MlflowServer,
     _stop_group,
@@ -349,7 +349,7 @@ def test_cli_sync_records_and_prints_no_secret(
     }
     env.pop("MLFLOW_TRACKING_URI", None)
     proc = subprocess.run(
-        [sys.executable, "-m", "recsys.cli", "sync", "-v", "--config", str(config_file),
+        [sys.executable, "-m", "conductor.cli", "sync", "-v", "--config", str(config_file),
          "--workdir", str(workdir.root), "--date", DATE.isoformat()],
         capture_output=True, text=True, env=env, timeout=240, check=False,
     )  # fmt: skip
@@ -396,7 +396,7 @@ def test_unreachable_server_error_and_pending_marker_hold_no_secret(
 
 @pytest.fixture(autouse=True)
 def _undo_cli_logging_setup() -> Iterator[None]:
-    """recsys.cli.main routes warnings through logging; in-process calls must not leak that."""
+    """conductor.cli.main routes warnings through logging; in-process calls must not leak that."""
     yield
     logging.captureWarnings(False)
 
@@ -448,7 +448,7 @@ def test_cli_rejects_an_escaping_model_name_in_one_line(
 
 # --- no unpickling of outside data ---------------------------------------------------------
 
-SCANNED = ("recsys", "beam_jobs", "serving_export", "benchmarks")
+SCANNED = ("conductor", "recsys", "beam_jobs", "serving_export", "benchmarks")
 # Calls that unpickle (or run code from) their input, whatever the arguments.
 _FORBIDDEN = {
     "pickle.load", "pickle.loads", "pickle.Unpickler", "_pickle.load", "_pickle.loads",

@@ -12,9 +12,9 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from recsys import stages
-from recsys.config import ModelConfig, RecsysConfig
-from recsys.layout import Workdir
+from conductor import stages
+from recsys.core.config import ModelConfig, RecsysConfig
+from recsys.core.layout import Workdir
 from recsys.losses import in_batch_softmax_loss
 from recsys.model import TrainedModel, TwoTowerModel, warm_start
 from recsys.model.defaults import DataShape, resolve

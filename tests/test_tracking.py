@@ -1,4 +1,4 @@
-"""recsys.tracking against a real `mlflow server` and the default local SQLite store."""
+"""recsys.tracking.runs against a real `mlflow server` and the default local SQLite store."""
 
 from __future__ import annotations
 
@@ -11,9 +11,9 @@ from pathlib import Path
 import pytest
 from mlflow import MlflowClient
 
-from recsys.config import RecsysConfig, TrackingConfig
-from recsys.errors import TrackingError
-from recsys.tracking import (
+from recsys.core.config import RecsysConfig, TrackingConfig
+from recsys.core.errors import TrackingError
+from recsys.tracking.runs import (
     HTTP_LIMITS,
     bounded_http_retries,
     default_tracking_uri,
@@ -262,7 +262,7 @@ def test_an_interrupted_run_is_finished_not_duplicated(
 def test_ab_record_logs_online_metrics_per_variant(
     server: MlflowServer, small_config: RecsysConfig, tmp_path: Path
 ) -> None:
-    from recsys.tracking import record_ab_metric
+    from recsys.tracking.runs import record_ab_metric
 
     config = _with_tracking(small_config, server.uri, "unused")
     kwargs = {"experiment": "homepage", "metric": "ctr"}

@@ -18,11 +18,12 @@ import pytest
 import yaml
 from mlflow import MlflowClient
 
-from recsys import registry, stages
-from recsys.config import RecsysConfig, TrackingConfig
-from recsys.errors import TrackingError
-from recsys.layout import Workdir, mark_complete, new_run_id
-from recsys.promotion import PENDING, publish_run
+from conductor import stages
+from conductor.promotion import PENDING, publish_run
+from recsys.core.config import RecsysConfig, TrackingConfig
+from recsys.core.errors import TrackingError
+from recsys.core.layout import Workdir, mark_complete, new_run_id
+from recsys.tracking import registry
 from tests.mlflow_server import MlflowServer, free_port, mlflow_server
 
 DATE = dt.date(2026, 1, 5)
@@ -197,7 +198,7 @@ def test_alias_moves(server: MlflowServer, small_config: RecsysConfig, tmp_path:
         date = dt.date(2026, 1, day)
         run_dir = fake_run(workdir, config, date, PER_USER, fingerprint=f"fp-{day}")
         # Log only: the registry calls below are under test.
-        from recsys.tracking import log_nightly_run
+        from recsys.tracking.runs import log_nightly_run
 
         runs.append(
             log_nightly_run(
@@ -259,8 +260,8 @@ def test_cli_sync_ab_and_incomplete_runs(
     small_config: RecsysConfig, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     """The thin CLI layer, in-process, on the default local store (no server)."""
-    from recsys import cli
-    from recsys.errors import StageNotReadyError
+    from conductor import cli
+    from recsys.core.errors import StageNotReadyError
 
     work = str(tmp_path / "w")
     assert cli.main(["sync", "--workdir", work, "--date", "2026-01-05"]) == 0
@@ -281,7 +282,7 @@ def test_default_local_store_publishes_and_compares(
     small_config: RecsysConfig, tmp_path: Path
 ) -> None:
     """No server: the SQLite store under the workdir (its registry returns int versions)."""
-    from recsys.compare import compare
+    from recsys.tracking.compare import compare
 
     workdir = Workdir(tmp_path)
     first = publish_run(

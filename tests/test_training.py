@@ -8,11 +8,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from recsys import stages
-from recsys.config import RecsysConfig
-from recsys.layout import Workdir
+from conductor import stages
+from recsys.core.config import RecsysConfig
+from recsys.core.layout import Workdir
+from recsys.data_io import load_split
 from recsys.model import TrainedModel
-from recsys.training.dataset import item_log_probabilities, load_split, training_dataset
+from recsys.training.dataset import item_log_probabilities, training_dataset
 from tests.conftest import SMALL_DATE
 
 DATE = dt.date.fromisoformat(SMALL_DATE)

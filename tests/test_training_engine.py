@@ -18,10 +18,10 @@ import pyarrow.parquet as pq
 import pytest
 import tensorflow as tf
 
-from recsys import stages
-from recsys.config import ModelConfig, RecsysConfig, parse_config
-from recsys.errors import ConfigError, OutOfMemoryError
-from recsys.layout import Workdir
+from conductor import stages
+from recsys.core.config import ModelConfig, RecsysConfig, parse_config
+from recsys.core.errors import ConfigError, OutOfMemoryError
+from recsys.core.layout import Workdir
 from recsys.model import (
     HISTORY_INDEX,
     PAD,
@@ -502,7 +502,7 @@ def test_killed_run_resumes_where_it_stopped(
         import json, logging, sys
         import recsys
         from pathlib import Path
-        from recsys.config import RecsysConfig
+        from recsys.core.config import RecsysConfig
         from recsys.training.trainer import train
         logging.basicConfig(level=logging.INFO, stream=sys.stdout, format="%(message)s")
         config = RecsysConfig.model_validate_json(Path(sys.argv[1]).read_text())
@@ -554,7 +554,10 @@ def test_models_saved_by_the_first_ids_only_version_still_load(
     )
     if source.returncode != 0:
         pytest.skip("the first model version is not in this checkout's git history")
-    (tmp_path / "old_model.py").write_text(source.stdout)
+    # The old module's own imports follow the package move (issue 15); its code is unchanged.
+    old_source = source.stdout.replace("from recsys.config ", "from recsys.core.config ")
+    old_source = old_source.replace("from recsys.errors ", "from recsys.core.errors ")
+    (tmp_path / "old_model.py").write_text(old_source)
     spec = importlib.util.spec_from_file_location("old_model", tmp_path / "old_model.py")
     old_module = importlib.util.module_from_spec(spec)
     assert spec.loader is not None

@@ -12,12 +12,13 @@ import pyarrow.parquet as pq
 import pytest
 import tensorflow as tf
 
-from recsys import stages
-from recsys.config import ModelConfig, RecsysConfig, parse_config
-from recsys.layout import Workdir
+from conductor import stages
+from recsys.core.config import ModelConfig, RecsysConfig, parse_config
+from recsys.core.layout import Workdir
 from recsys.model import PAD, TrainedModel, UserFeatures, warm_start
 from serving_export import verify
-from serving_export.savedmodels import QUERY, export_savedmodels
+from serving_export.savedmodels import export_savedmodels
+from serving_export.signatures import QUERY
 from tests.conftest import SMALL_DATE
 
 USERS = [f"u{i}" for i in range(40)]

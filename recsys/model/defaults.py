@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from recsys.config import ModelConfig
+from recsys.core.config import ModelConfig
 
 FULL_SOFTMAX_MAX_ITEMS = 50_000
 """Up to this many items the softmax runs over the whole catalog (a [batch x items] matrix:

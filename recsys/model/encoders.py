@@ -20,8 +20,7 @@ from dataclasses import dataclass
 
 import tensorflow as tf
 
-import recsys  # noqa: F401  (sets TF_USE_LEGACY_KERAS before TensorFlow is imported)
-from recsys.config import ModelConfig
+from recsys.core.config import ModelConfig
 
 
 @dataclass(frozen=True)

@@ -18,9 +18,9 @@ from typing import ClassVar, Self
 import numpy as np
 import pyarrow.parquet as pq
 
+from recsys.core.schema import GENRES, ITEM_FEATURES, USER_ID
 from recsys.item_tokens import MAX_GENRES, PAD, TOKENIZERS, token_matrix
 from recsys.model.layers import Baked
-from recsys.schema import GENRES, ITEM_FEATURES, USER_ID
 
 ITEM_FEATURE_COLUMNS = tuple(f.name for f in ITEM_FEATURES)
 

@@ -14,7 +14,6 @@ from pathlib import Path
 import numpy as np
 import tensorflow as tf
 
-import recsys  # noqa: F401  (sets TF_USE_LEGACY_KERAS before TensorFlow is imported)
 from recsys.item_tokens import PAD
 
 USER_INDEX = "user_index"

@@ -7,8 +7,6 @@ from collections.abc import Sequence
 import numpy as np
 import tensorflow as tf
 
-import recsys  # noqa: F401  (sets TF_USE_LEGACY_KERAS before TensorFlow is imported)
-
 Baked = dict[str, tuple[np.ndarray, int]]
 """Feature name -> (constant [rows, width] token-index table, token vocabulary size)."""
 

@@ -18,8 +18,6 @@ from __future__ import annotations
 
 import tensorflow as tf
 
-import recsys  # noqa: F401  (sets TF_USE_LEGACY_KERAS before TensorFlow is imported)
-
 
 def sample_pool(
     count: int, log_probs: tf.Tensor, first: int, sampler: str, seed: tf.Tensor | None = None

@@ -8,8 +8,7 @@ import numpy as np
 import tensorflow as tf
 import tensorflow_recommenders as tfrs
 
-import recsys  # noqa: F401  (sets TF_USE_LEGACY_KERAS before TensorFlow is imported)
-from recsys.config import ModelConfig
+from recsys.core.config import ModelConfig
 from recsys.losses import in_batch_softmax_loss
 from recsys.model.inputs import HISTORY_INDEX, ITEM_INDEX, ITEM_LOG_PROB, USER_INDEX
 from recsys.model.negatives import full_softmax_loss, mixture_log_q, sample_pool

@@ -14,14 +14,14 @@ from pathlib import Path
 
 import tensorflow as tf
 
-import recsys  # noqa: F401  (sets TF_USE_LEGACY_KERAS before TensorFlow is imported)
-from recsys.config import ModelConfig
-from recsys.errors import DataError, StageNotReadyError
+from recsys.core.config import ModelConfig
+from recsys.core.errors import DataError, StageNotReadyError
+from recsys.core.layout import ModelFile
 from recsys.model.features import ItemFeatures, UserFeatures
 
-USERS = "users.txt"
-ITEMS = "items.txt"
-CONFIG = "model.json"
+USERS = ModelFile.USER_VOCAB
+ITEMS = ModelFile.ITEM_VOCAB
+CONFIG = ModelFile.CONFIG
 TOWERS = ("query", "candidate")
 
 ADDED_OFF = {

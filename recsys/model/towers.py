@@ -7,7 +7,6 @@ from collections.abc import Sequence
 
 import tensorflow as tf
 
-import recsys  # noqa: F401  (sets TF_USE_LEGACY_KERAS before TensorFlow is imported)
 from recsys.model.encoders import EncoderSpec, TransformerEncoder
 from recsys.model.inputs import HISTORY_INDEX, ITEM_INDEX, USER_INDEX, feature_index
 from recsys.model.layers import Baked, bake_features, embedding, masked_mean, mlp, tower_output

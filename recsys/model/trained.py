@@ -14,8 +14,7 @@ from pathlib import Path
 import numpy as np
 import tensorflow as tf
 
-import recsys  # noqa: F401  (sets TF_USE_LEGACY_KERAS before TensorFlow is imported)
-from recsys.config import ModelConfig
+from recsys.core.config import ModelConfig
 from recsys.item_tokens import PAD, TOKENIZERS
 from recsys.model import storage
 from recsys.model.encoders import EncoderSpec

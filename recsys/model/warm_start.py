@@ -13,8 +13,7 @@ from collections.abc import Sequence
 import numpy as np
 import tensorflow as tf
 
-import recsys  # noqa: F401  (sets TF_USE_LEGACY_KERAS before TensorFlow is imported)
-from recsys.errors import ConfigError
+from recsys.core.errors import ConfigError
 from recsys.model.encoders import TransformerEncoder
 from recsys.model.trained import TrainedModel
 

@@ -2,62 +2,28 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
 import pyarrow.parquet as pq
 import tensorflow as tf
 
-import recsys  # noqa: F401  (sets TF_USE_LEGACY_KERAS before TensorFlow is imported)
-from recsys import schema
-from recsys.errors import StageNotReadyError
+from recsys.core import schema
+from recsys.core.errors import StageNotReadyError
+from recsys.core.layout import DataFile
+from recsys.data_io import history_indices, read_examples, split_files
 from recsys.model import (
     HISTORY_INDEX,
     ITEM_INDEX,
     ITEM_LOG_PROB,
-    PAD,
     USER_INDEX,
     TrainedModel,
 )
 
 
-def split_files(data_dir: Path, split: str) -> list[str]:
-    """The sorted shard files of one split; an error naming the folder if there are none."""
-    files = sorted(str(p) for p in data_dir.glob(f"{split}-*.tfrecord.gz"))
-    if not files:
-        raise StageNotReadyError(f"no {split}-*.tfrecord.gz in {data_dir}: run `recsys preprocess`")
-    return files
-
-
-def read_examples(
-    files: list[str],
-    batch_size: int,
-    shuffle_buffer: int | None = None,
-    seed: int | None = None,
-    deterministic: bool = True,
-    drop_remainder: bool = False,
-) -> tf.data.Dataset:
-    """Batches of parsed examples (dict of name -> [batch] tensor, lists ragged [batch, None]).
-
-    Batching before `parse_example` parses a whole batch in one op, several times faster than
-    parsing example by example. With `deterministic` and a seed the order is reproducible;
-    without, tf.data may reorder parallel work for speed.
-    """
-    ds = tf.data.TFRecordDataset(files, compression_type="GZIP", num_parallel_reads=len(files))
-    if shuffle_buffer:
-        ds = ds.shuffle(shuffle_buffer, seed=seed, reshuffle_each_iteration=True)
-    ds = ds.batch(batch_size, drop_remainder=drop_remainder)
-    spec = schema.feature_spec()
-    ds = ds.map(lambda b: tf.io.parse_example(b, spec), num_parallel_calls=tf.data.AUTOTUNE)
-    options = tf.data.Options()
-    options.deterministic = deterministic
-    return ds.with_options(options)
-
-
 def item_log_probabilities(data_dir: Path, model: TrainedModel) -> np.ndarray:
     """log Q(item) per item index from the training counts (logQ correction); OOV gets 1 count."""
-    table = pq.read_table(data_dir / "item_features.parquet", columns=["item_id", "train_count"])
+    table = pq.read_table(data_dir / DataFile.ITEM_FEATURES, columns=["item_id", "train_count"])
     counts = dict(zip(table["item_id"].to_pylist(), table["train_count"].to_pylist(), strict=True))
     per_index = np.ones(model.config.oov_buckets + len(model.items), dtype=np.float64)
     per_index[model.item_indices()] = [max(counts.get(i, 1), 1) for i in model.items]
@@ -167,69 +133,3 @@ def load_indices(data_dir: Path, split: str, model: TrainedModel) -> dict[str, n
 def in_memory_bytes(examples: int, model: TrainedModel) -> int:
     """Bytes `in_memory_dataset` holds for `examples` rows (int64 ids, float32 log Q)."""
     return examples * (8 + 8 + 4 + 8 * model.config.history_length)
-
-
-def history_indices(
-    history: tf.RaggedTensor, lookup: tf.keras.layers.StringLookup, length: int
-) -> tf.Tensor:
-    """Ragged [batch, None] id strings -> [batch, length] int64: the last `length`, PAD-filled.
-
-    Empty strings (the serving signature's padding) are dropped first.
-    """
-    history = tf.ragged.boolean_mask(history, tf.not_equal(history, ""))[:, -length:]
-    indices = tf.ragged.map_flat_values(lookup, history)
-    return indices.to_tensor(default_value=tf.constant(PAD, tf.int64), shape=[None, length])
-
-
-def load_split(data_dir: Path, split: str, batch_size: int = 65536) -> dict[str, np.ndarray]:
-    """A whole split as numpy arrays (evaluation reads targets and exclusions this way)."""
-    parts: dict[str, list[np.ndarray]] = {name: [] for name in schema.FEATURE_NAMES}
-    for batch in read_examples(split_files(data_dir, split), batch_size):
-        for name in parts:
-            parts[name].append(_to_numpy(batch[name]))
-    return {
-        name: np.concatenate(chunks) if chunks else np.array([]) for name, chunks in parts.items()
-    }
-
-
-def _to_numpy(value: tf.Tensor | tf.RaggedTensor) -> np.ndarray:
-    """A dense batch as is; a ragged one as a 1-D object array of per-example lists."""
-    if not isinstance(value, tf.RaggedTensor):
-        return value.numpy()
-    rows = value.to_list()
-    out = np.empty(len(rows), dtype=object)
-    out[:] = rows
-    return out
-
-
-def latest_histories(data_dir: Path, users: list[str], length: int) -> list[list[str]]:
-    """Per user (in `users` order): their last `length` items over every split, oldest first.
-
-    Ordered by (timestamp, item id), the protocol's order: the history a query made tonight
-    would carry.
-    """
-    parts = [load_split(data_dir, split) for split in schema.SPLITS]
-    user = _decoded([u for p in parts for u in p[schema.USER_ID]])
-    item = _decoded([i for p in parts for i in p[schema.ITEM_ID]])
-    stamp = np.array([t for p in parts for t in p[schema.TIMESTAMP]], dtype=np.int64)
-    return latest_items(user, item, stamp, users, length)
-
-
-def latest_items(
-    user: np.ndarray, item: np.ndarray, stamp: np.ndarray, users: Sequence[str], length: int
-) -> list[list[str]]:
-    """Per user in `users`: their last `length` items by (timestamp, item id), oldest first."""
-    if not len(user):
-        return [[] for _ in users]
-    order = np.lexsort((item, stamp, user))
-    user, item = user[order], item[order]
-    starts = np.flatnonzero(np.r_[True, user[1:] != user[:-1]])
-    ends = np.r_[starts[1:], len(user)]
-    by_user = {
-        user[s]: item[max(s, e - length) : e].tolist() for s, e in zip(starts, ends, strict=True)
-    }
-    return [by_user.get(u, []) for u in users]
-
-
-def _decoded(values: list[bytes | str]) -> np.ndarray:
-    return np.array([v.decode("utf-8") if isinstance(v, bytes) else v for v in values], dtype=str)

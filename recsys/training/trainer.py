@@ -18,11 +18,12 @@ from pathlib import Path
 import numpy as np
 import tensorflow as tf
 
-import recsys  # noqa: F401  (sets TF_USE_LEGACY_KERAS before TensorFlow is imported)
 from recsys import evaluation as ev
-from recsys import schema
-from recsys.config import EvaluationConfig, ModelConfig, RecsysConfig, TrainingConfig
-from recsys.errors import ConfigError, OutOfMemoryError
+from recsys.core import schema
+from recsys.core.config import EvaluationConfig, ModelConfig, RecsysConfig, TrainingConfig
+from recsys.core.errors import ConfigError, OutOfMemoryError
+from recsys.core.layout import DataFile
+from recsys.data_io import load_split
 from recsys.model import (
     ItemFeatures,
     TrainedModel,
@@ -36,9 +37,9 @@ from recsys.training.dataset import (
     in_memory_bytes,
     in_memory_dataset,
     item_log_probabilities,
-    load_split,
     training_dataset,
 )
+from recsys.training.keras_backup_adapter import BackupEveryStepsAndEpoch
 
 log = logging.getLogger(__name__)
 
@@ -242,43 +243,6 @@ class ValidationRecall(tf.keras.callbacks.Callback):
             shutil.rmtree(self.state_dir, ignore_errors=True)
 
 
-class BackupEveryStepsAndEpoch(tf.keras.callbacks.BackupAndRestore):
-    """BackupAndRestore that, given a step frequency, also backs up at every epoch end, and
-    counts steps (not calls) under `steps_per_execution` > 1.
-
-    Keras saves either every N steps or at epoch ends; a run killed between an epoch's end and
-    the next N-step mark would otherwise redo up to N steps of the finished epoch. With
-    several steps per call, Keras' callback counts calls (N calls = N x steps_per_execution
-    steps) and records the call's *first* step as the last one done, so a resume redid the
-    call's other steps, and a kill after an epoch's end resumed inside the finished epoch
-    (its validation and checkpoint callbacks ran twice). Here the recorded step is the last
-    one the call ran, and a backup happens at the first call end at or after every
-    `save_freq` steps.
-    """
-
-    def on_train_batch_begin(self, batch: int, logs: dict[str, float] | None = None) -> None:
-        super().on_train_batch_begin(batch, logs)
-        self._call_first_step = batch
-
-    def on_train_batch_end(self, batch: int, logs: dict[str, float] | None = None) -> None:
-        # `batch` is the last step this call ran: resume continues after it.
-        self._training_state._ckpt_saved_batch.assign(batch)
-        self._training_state.backup_if_preempted()
-        if self.save_freq == "epoch":
-            return
-        self._batches_count += batch - getattr(self, "_call_first_step", batch) + 1
-        if self._batches_count >= self.save_freq:
-            self._batches_count = 0
-            self._backup(epoch=self._current_epoch, batch=batch)
-
-    def on_epoch_end(self, epoch: int, logs: dict[str, float] | None = None) -> None:
-        super().on_epoch_end(epoch, logs)
-        if self.save_freq != "epoch":
-            # The saved step is the epoch's last one: resume starts the next epoch.
-            self._batches_count = 0
-            self._backup(epoch=epoch)
-
-
 def make_optimizer(config: TrainingConfig, precision: str) -> tf.keras.optimizers.Optimizer:
     """The configured optimizer; wrapped in dynamic loss scaling for float16."""
     if config.optimizer == "adagrad":
@@ -380,12 +344,12 @@ def build_model(
     config: RecsysConfig, data_dir: Path, precision: str, jit_compile: bool = False
 ) -> tuple[TrainedModel, TwoTowerModel]:
     """Towers under the precision policy; task, metrics and model in float32 (GOTCHAS)."""
-    users = read_vocab(data_dir / "vocab" / "users.txt")
-    items = read_vocab(data_dir / "vocab" / "items.txt")
+    users = read_vocab(data_dir / DataFile.USER_VOCAB)
+    items = read_vocab(data_dir / DataFile.ITEM_VOCAB)
     features = ItemFeatures()
     if config.model.item_features:
         features = ItemFeatures.from_parquet(
-            data_dir / "item_features.parquet", items, config.model.max_title_tokens
+            data_dir / DataFile.ITEM_FEATURES, items, config.model.max_title_tokens
         )
     user_features = UserFeatures()
     if config.model.user_features:
@@ -415,7 +379,7 @@ def build_model(
 
 def resolved_model_config(config: RecsysConfig, data_dir: Path) -> ModelConfig:
     """`config.model` with its `auto` settings resolved from the data's stats.json (logged)."""
-    stats = json.loads((data_dir / "stats.json").read_text())
+    stats = json.loads((data_dir / DataFile.STATS).read_text())
     shape = DataShape.from_stats(stats)
     model_config, reasons = resolve(config.model, shape)
     for reason in reasons:
@@ -491,7 +455,7 @@ def train(
         if previous is not None:
             copied = warm_start(trained, previous)
             log.info("warm start from %s: rows taken over %s", tc.warm_start_from, copied)
-    stats = json.loads((data_dir / "stats.json").read_text())
+    stats = json.loads((data_dir / DataFile.STATS).read_text())
     cached = use_cache(tc.cache, stats["splits"], trained, strategy)
     train_ds, val_ds = _datasets(config, data_dir, trained, strategy, stats["splits"], cached)
     timer = EpochTimer()

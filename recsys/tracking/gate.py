@@ -16,8 +16,8 @@ from typing import Any
 
 import numpy as np
 
-from recsys.config import GateConfig
-from recsys.errors import ConfigError
+from recsys.core.config import GateConfig
+from recsys.core.errors import ConfigError
 
 # Resampled means are computed in chunks so memory stays ~chunk x users, not samples x users.
 _CHUNK_ELEMENTS = 5_000_000

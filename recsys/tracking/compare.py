@@ -26,19 +26,22 @@ from mlflow import MlflowClient
 from mlflow.entities import RunStatus
 from mlflow.exceptions import MlflowException
 
-from recsys import registry
-from recsys.config import RecsysConfig
-from recsys.errors import ConfigError
-from recsys.gate import pair_users, paired_bootstrap
-from recsys.tracking import (
-    _TRACKING_FAILURES,
+from recsys.core import schema
+from recsys.core.config import RecsysConfig
+from recsys.core.errors import ConfigError
+from recsys.core.layout import DataFile, RunFile
+from recsys.data_io import load_split
+from recsys.tracking import registry
+from recsys.tracking.gate import pair_users, paired_bootstrap
+from recsys.tracking.runs import (
     LOGGED_TAG,
-    _tracking_error,
+    TRACKING_FAILURES,
     bounded_http_retries,
     connect,
     ensure_experiment,
     experiment_name,
     resolve_tracking_uri,
+    tracking_error,
 )
 
 COMPARISONS_EXPERIMENT = "comparisons"
@@ -117,8 +120,8 @@ def compare(
             result.files = write_reports(result, output)
             if log_to_mlflow:
                 result.mlflow_run_id = _log_comparison(client, uri, workdir, result, output)
-    except _TRACKING_FAILURES as exc:
-        raise _tracking_error(uri, workdir, exc) from None
+    except TRACKING_FAILURES as exc:
+        raise tracking_error(uri, workdir, exc) from None
     return result
 
 
@@ -181,7 +184,7 @@ def _run_of_date(client: MlflowClient, config: RecsysConfig, date: str) -> str:
 def _per_user(client: MlflowClient, run: RunRef, tmp: Path) -> dict[str, np.ndarray]:
     tmp.mkdir(parents=True, exist_ok=True)
     try:
-        path = client.download_artifacts(run.run_id, "per_user_eval.parquet", str(tmp))
+        path = client.download_artifacts(run.run_id, RunFile.PER_USER_EVAL, str(tmp))
     except MlflowException:
         raise ConfigError(
             f"run {run.run_id} ({run.ref}) has no per_user_eval.parquet artifact: it was not "
@@ -269,7 +272,7 @@ def _segments(
 ) -> tuple[dict[str, dict[str, dict[str, float]]], list[str]]:
     """Primary metric per segment (new/returning users, head/tail target items), per run."""
     data_dir = Path(runs[0].data_dir) if runs[0].data_dir else None
-    if data_dir is None or not (data_dir / "item_features.parquet").is_file():
+    if data_dir is None or not (data_dir / DataFile.ITEM_FEATURES).is_file():
         return {}, [f"segments skipped: the baseline's data folder ({data_dir}) is not available"]
     metric = config.gate.primary_metric
     if not all(metric in table for table in tables):
@@ -289,15 +292,12 @@ def _segments(
 
 def user_segments(data_dir: Path) -> dict[str, tuple[str, str]]:
     """Per test user: ('new users' | 'returning users', 'head items' | 'tail items')."""
-    from recsys import schema
-    from recsys.training.dataset import load_split
-
     history: dict[str, int] = {}
     for split in ("train", "validation"):
         for user in load_split(data_dir, split)[schema.USER_ID]:
             key = user.decode() if isinstance(user, bytes) else str(user)
             history[key] = history.get(key, 0) + 1
-    features = pq.read_table(data_dir / "item_features.parquet").to_pydict()
+    features = pq.read_table(data_dir / DataFile.ITEM_FEATURES).to_pydict()
     order = np.argsort(-np.asarray(features["train_count"]), kind="stable")
     n_head = max(1, math.ceil(HEAD_SHARE * len(order)))
     head = {str(features["item_id"][i]) for i in order[:n_head]}
@@ -533,7 +533,7 @@ def _log_comparison(
                 client.log_metric(run_id, f"delta_{row.metric}_{_safe(row.run)}", row.delta)
         client.log_artifacts(run_id, str(output))
         client.set_terminated(run_id, RunStatus.to_string(RunStatus.FINISHED))
-    except _TRACKING_FAILURES:
+    except TRACKING_FAILURES:
         client.set_terminated(run_id, RunStatus.to_string(RunStatus.FAILED))
         raise
     return run_id

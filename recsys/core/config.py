@@ -12,10 +12,10 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from recsys.errors import ConfigError
-from recsys.redact import redact_tree
+from recsys.core.errors import ConfigError
+from recsys.core.redact import redact_tree
 
-REPO_CONFIGS = Path(__file__).resolve().parent.parent / "configs"
+REPO_CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 
 # One folder/file name (or an MLflow name that tools may turn into one): no separators, no
 # leading dot (hidden files, '.', '..'), nothing a shell or a URL would treat specially.

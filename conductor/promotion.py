@@ -20,27 +20,29 @@ import numpy as np
 import pyarrow.parquet as pq
 from mlflow import MlflowClient
 
-from recsys import gate, registry
-from recsys.config import RecsysConfig
-from recsys.errors import StageNotReadyError, TrackingError
-from recsys.layout import Workdir
-from recsys.redact import redact_text, redact_tree
-from recsys.tracking import (
-    _TRACKING_FAILURES,
+from recsys.core.config import RecsysConfig
+from recsys.core.errors import StageNotReadyError, TrackingError
+from recsys.core.layout import DataFile, ModelFile, RunFile, Workdir, missing_inputs
+from recsys.core.redact import redact_text, redact_tree
+from recsys.model_evaluation import evaluate_model
+from recsys.tracking import gate, registry
+from recsys.tracking.runs import (
     DEFAULT_DEVICE,
+    TRACKING_FAILURES,
     Artifact,
-    _tracking_error,
     bounded_http_retries,
     connect,
     log_nightly_run,
     resolve_tracking_uri,
+    tracking_error,
 )
+from serving_export.serving_config import set_version_labels
 
 log = logging.getLogger(__name__)
 
-PENDING = "mlflow_pending.json"
+PENDING = RunFile.PENDING
 EMBEDDINGS_ARTIFACTS = "embeddings"
-GATE_JSON = "gate.json"
+GATE_JSON = RunFile.GATE
 # Where the champion's per-user values on today's data are written (and logged).
 GATE_DIR = "gate"
 
@@ -64,7 +66,7 @@ def device_layout(trained: Any) -> dict[str, str]:
 
 def _device_of_run(run_dir: Path) -> dict[str, str]:
     """The device layout train.json recorded (newer trainers write it), else the default."""
-    train = json.loads((run_dir / "train.json").read_text())
+    train = json.loads((run_dir / RunFile.TRAIN).read_text())
     return {key: str(train.get(key) or default) for key, default in DEFAULT_DEVICE.items()}
 
 
@@ -85,8 +87,7 @@ def publish_run(
     tracking_uri: str | None = None,
 ) -> PublishResult:
     """Log, register, gate and promote one finished run; a pending marker is left on failure."""
-    needed = ["train.json", "history.json", "metrics.json", "export.json", "per_user_eval.parquet"]
-    missing = [name for name in needed if not (run_dir / name).is_file()]
+    missing = missing_inputs("publish", run_dir)
     if missing:
         raise StageNotReadyError(
             f"{run_dir} lacks {missing}: run `recsys evaluate` and `recsys export` for it first"
@@ -105,8 +106,8 @@ def publish_run(
     try:
         with bounded_http_retries():
             result = _publish(config, workdir, date, run_dir, state, uri)
-    except (TrackingError, *_TRACKING_FAILURES) as exc:
-        error = exc if isinstance(exc, TrackingError) else _tracking_error(uri, workdir.root, exc)
+    except (TrackingError, *TRACKING_FAILURES) as exc:
+        error = exc if isinstance(exc, TrackingError) else tracking_error(uri, workdir.root, exc)
         _write_json(marker, {**state, "last_error": str(error)})
         raise TrackingError(
             f"{error}. Pending marker left at {marker}: run `recsys sync --date {date}` once "
@@ -124,10 +125,10 @@ def _publish(
     state: dict[str, Any],
     uri: str,
 ) -> PublishResult:
-    train_info = _read(run_dir / "train.json")
+    train_info = _read(run_dir / RunFile.TRAIN)
     data_dir = Path(train_info["data_dir"])
-    report = _read(run_dir / "metrics.json")
-    exported = _read(run_dir / "export.json")
+    report = _read(run_dir / RunFile.METRICS)
+    exported = _read(run_dir / RunFile.EXPORT)
     metrics = {f"test_{k}": v for k, v in report["model"].items()}
     for baseline, values in report.get("baselines", {}).items():
         metrics.update({f"{baseline}_{k}": v for k, v in values.items()})
@@ -136,12 +137,12 @@ def _publish(
     metrics["train_loop_seconds"] = float(train_info.get("seconds", 0.0))
     metrics["model_version"] = float(exported["version"])
     artifacts: list[Artifact] = [
-        run_dir / "config.yaml",
-        run_dir / "metrics.json",
-        run_dir / "per_user_eval.parquet",
-        run_dir / "history.json",
-        run_dir / "export.json",
-        (run_dir / "model", "trained_model"),
+        run_dir / RunFile.CONFIG,
+        run_dir / RunFile.METRICS,
+        run_dir / RunFile.PER_USER_EVAL,
+        run_dir / RunFile.HISTORY,
+        run_dir / RunFile.EXPORT,
+        (run_dir / RunFile.MODEL, "trained_model"),
     ]
     # The embeddings' own manifest (dim, hashes, checksums: serving_export.manifest), not the
     # vectors: they can be large and live in the workdir's embeddings/<version>/.
@@ -152,7 +153,7 @@ def _publish(
     ]
     tags = {
         "run_dir": str(run_dir.resolve()),
-        "model_path": str((run_dir / "model").resolve()),
+        "model_path": str((run_dir / RunFile.MODEL).resolve()),
         "data_dir": str(data_dir.resolve()),
         "model_version": str(exported["version"]),
         **{f"device.{k}": str(v) for k, v in state["device"].items()},
@@ -161,8 +162,8 @@ def _publish(
         config,
         workdir=workdir.root,
         run_date=date,
-        stats=_read(data_dir / "stats.json"),
-        history=_read(run_dir / "history.json"),
+        stats=_read(data_dir / DataFile.STATS),
+        history=_read(run_dir / RunFile.HISTORY),
         metrics=metrics,
         artifacts=artifacts,
         tags=tags,
@@ -209,8 +210,6 @@ def _route_serving(client: MlflowClient, config: RecsysConfig, workdir: Workdir,
     A registry version maps to its export folder through its run's `model_version` tag; TF
     Serving then routes by label, so a promotion is this one atomic file rewrite.
     """
-    from serving_export.serving_config import set_version_labels
-
     labels = {}
     for alias in (registry.CHAMPION, registry.CHALLENGER):
         version = registry.alias_version(client, name, alias)
@@ -240,7 +239,7 @@ def _gate_against(
             )
             return gate.not_compared_decision(reason, force=force)
         try:
-            users, per_user, summary = evaluate_model(config, model_dir, data_dir)
+            users, per_user, summary = evaluate_champion(config, model_dir, data_dir)
         except Exception as exc:
             # Whatever breaks loading or scoring the old model (moved files, a model format
             # changed by a newer release), the safe outcome is the same: keep the champion and
@@ -253,7 +252,7 @@ def _gate_against(
             return gate.not_compared_decision(reason, force=force)
     (run_dir / GATE_DIR).mkdir(exist_ok=True)
     _write_per_user(run_dir / GATE_DIR / "champion_per_user_eval.parquet", users, per_user)
-    challenger = pq.read_table(run_dir / "per_user_eval.parquet").to_pydict()
+    challenger = pq.read_table(run_dir / RunFile.PER_USER_EVAL).to_pydict()
     c_users = challenger.pop("user_id")
     _, a, b = gate.pair_users(users, per_user, c_users, challenger)
     decision = gate.decide(
@@ -261,34 +260,32 @@ def _gate_against(
         b,
         config.gate,
         champion_summary=summary,
-        challenger_summary=_read(run_dir / "metrics.json")["model"],
+        challenger_summary=_read(run_dir / RunFile.METRICS)["model"],
         force=force,
     )
     decision.reasons.append(f"champion: version {champion.version} (run {champion.run_id})")
     return decision
 
 
-def evaluate_model(
+def evaluate_champion(
     config: RecsysConfig, model_dir: Path, data_dir: Path
 ) -> tuple[list[str], dict[str, np.ndarray], dict[str, float]]:
     """A saved model on data_dir's test split, exactly as `recsys evaluate` scores a run."""
-    from recsys.stages import evaluate_model as score
-
-    eval_set, result = score(config, model_dir, data_dir)
+    eval_set, result = evaluate_model(config, model_dir, data_dir)
     return eval_set.users, result.per_user, result.metrics
 
 
 def _champion_model(client: MlflowClient, run_id: str, tmp: Path) -> Path | None:
     """The champion's model folder: its run folder when present, else its logged copy."""
     path = client.get_run(run_id).data.tags.get("model_path")
-    if path and (Path(path) / "model.json").is_file():
+    if path and (Path(path) / ModelFile.CONFIG).is_file():
         return Path(path)
     try:
         downloaded = Path(client.download_artifacts(run_id, "trained_model", str(tmp)))
-    except _TRACKING_FAILURES as exc:
+    except TRACKING_FAILURES as exc:
         log.warning("champion model of run %s unavailable: %s", run_id, exc)
         return None
-    return downloaded if (downloaded / "model.json").is_file() else None
+    return downloaded if (downloaded / ModelFile.CONFIG).is_file() else None
 
 
 def _log_decision(

@@ -23,14 +23,15 @@ from typing import Any
 import requests
 import yaml
 from mlflow import MlflowClient
+from mlflow.entities import Dataset as DatasetEntity
 from mlflow.entities import DatasetInput, InputTag, Metric, Param, RunStatus, ViewType
 from mlflow.exceptions import MlflowException
 from mlflow.tracking.context.registry import resolve_tags
 
-from recsys.config import RecsysConfig
-from recsys.errors import TrackingError
-from recsys.layout import Workdir
-from recsys.redact import redact_text, redact_tree, redact_value
+from recsys.core.config import RecsysConfig
+from recsys.core.errors import TrackingError
+from recsys.core.layout import DataFile, Workdir
+from recsys.core.redact import redact_text, redact_tree, redact_value
 
 # MLflow's defaults (7 retries, backoff factor 2, 120 s timeout) keep a nightly job waiting for
 # minutes on a dead server. These bound one request to ~10 s of retries when the connection is
@@ -44,14 +45,15 @@ HTTP_LIMITS: dict[str, str] = {
 _SUPPRESS_URL = "MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT"
 
 # What MLflow's client raises when a store cannot be reached or written (HTTP, SQL, local files).
-_TRACKING_FAILURES = (MlflowException, requests.RequestException, OSError)
+# What an unreachable or failing tracking server raises; callers map it with tracking_error.
+TRACKING_FAILURES = (MlflowException, requests.RequestException, OSError)
 
 # MLflow's rule for metric names (mlflow.utils.validation), minus the platform-specific colon.
 _VALID_METRIC = re.compile(r"^[\w./\- ]+$")
 
 
 def redact_credentials(text: str) -> str:
-    """`text` without URI user:password parts and other secrets (see recsys.redact)."""
+    """`text` without URI user:password parts and other secrets (see recsys.core.redact)."""
     return redact_text(text)
 
 
@@ -123,8 +125,8 @@ def log_nightly_run(
                 _dataset_input(dataset_source, run_tags["data_fingerprint"]),
             )  # fmt: skip
             return run_id
-    except _TRACKING_FAILURES as exc:
-        raise _tracking_error(uri, workdir, exc) from None
+    except TRACKING_FAILURES as exc:
+        raise tracking_error(uri, workdir, exc) from None
 
 
 def experiment_name(config: RecsysConfig) -> str:
@@ -155,7 +157,7 @@ def wait_for_server(uri: str, workdir: Path, attempts: int, backoff_seconds: flo
         if attempt + 1 < attempts:
             time.sleep(backoff_seconds * 2**attempt)
     assert error is not None
-    raise _tracking_error(uri, workdir, error, attempts=attempts)
+    raise tracking_error(uri, workdir, error, attempts=attempts)
 
 
 def find_nightly_run(
@@ -175,7 +177,7 @@ def find_nightly_run(
 
 def git_commit() -> str:
     """The commit of the recsys source tree ('unknown' outside a git checkout)."""
-    repo = Path(__file__).resolve().parent.parent
+    repo = Path(__file__).resolve().parents[2]
     try:
         out = subprocess.run(
             ["git", "-C", str(repo), "rev-parse", "HEAD"],
@@ -198,9 +200,17 @@ def _dataset_input(source: str | None, fingerprint: str) -> DatasetInput | None:
         dataset_source = resolve_dataset_source(redact_credentials(source))
     # MLflow stores at most 36 characters of digest; 32 hex digits of sha256 are plenty.
     dataset = MetaDataset(dataset_source, name=Path(source).name or source, digest=fingerprint[:32])
-    return DatasetInput(
-        dataset._to_mlflow_entity(), tags=[InputTag("mlflow.data.context", "training")]
+    # The public Dataset.to_dict() fields are exactly mlflow.entities.Dataset's arguments.
+    fields = dataset.to_dict()
+    entity = DatasetEntity(
+        name=fields["name"],
+        digest=fields["digest"],
+        source_type=fields["source_type"],
+        source=fields["source"],
+        schema=fields.get("schema"),
+        profile=fields.get("profile"),
     )
+    return DatasetInput(entity, tags=[InputTag("mlflow.data.context", "training")])
 
 
 def record_ab_metric(
@@ -250,8 +260,8 @@ def record_ab_metric(
             if date:
                 client.set_tag(run_id, "ab.last_date", date.isoformat())
             return run_id
-    except _TRACKING_FAILURES as exc:
-        raise _tracking_error(uri, workdir, exc) from None
+    except TRACKING_FAILURES as exc:
+        raise tracking_error(uri, workdir, exc) from None
 
 
 @contextmanager
@@ -409,7 +419,7 @@ def _record_run(
         if dataset is not None and not run.inputs.dataset_inputs:
             client.log_inputs(run_id, datasets=[dataset])
         safe_stats = redact_tree(json.loads(json.dumps(stats, default=str)))
-        client.log_dict(run_id, safe_stats, "stats.json")
+        client.log_dict(run_id, safe_stats, DataFile.STATS)
         for artifact in artifacts:
             path, folder = _local(artifact)
             if path.is_dir():
@@ -418,7 +428,7 @@ def _record_run(
                 log_file_redacted(client, run_id, path, folder)
         client.set_tag(run_id, LOGGED_TAG, "true")
         client.set_terminated(run_id, RunStatus.to_string(RunStatus.FINISHED))
-    except _TRACKING_FAILURES:
+    except TRACKING_FAILURES:
         _mark_failed(client, run_id)
         raise
 
@@ -471,13 +481,14 @@ def redacted_text_file(path: Path) -> str | None:
 
 def _mark_failed(client: MlflowClient, run_id: str) -> None:
     # Best effort: the store may be the thing that failed; the original error is what matters.
-    with suppress(_TRACKING_FAILURES):
+    with suppress(TRACKING_FAILURES):
         client.set_terminated(run_id, RunStatus.to_string(RunStatus.FAILED))
 
 
-def _tracking_error(
+def tracking_error(
     uri: str, workdir: Path, exc: Exception, attempts: int | None = None
 ) -> TrackingError:
+    """The TrackingError (exit code, one actionable line) for a failure in TRACKING_FAILURES."""
     # The first line names the cause; MLflow's full text repeats urllib3's retry history.
     reason = redact_credentials((str(exc).strip().splitlines() or [""])[0])
     reason = reason if len(reason) <= 300 else reason[:300] + "..."

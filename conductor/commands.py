@@ -1,150 +1,42 @@
-"""The `recsys` command line: one subcommand per stage, plus `nightly` for all of them."""
+"""The `recsys` subcommands: each calls one conductor entry point and prints what it did."""
 
 from __future__ import annotations
 
 import argparse
+import datetime as dt
 import json
-import logging
 import os
 import sys
-from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-os.environ.setdefault("TF_USE_LEGACY_KERAS", "1")
-os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+from conductor import stages
+from conductor.lock import WorkdirLock
+from conductor.nightly import backfill, run_nightly
+from recsys.ab import workflow as ab_workflow
+from recsys.ab.planning import format_plan, plan
+from recsys.core.config import RecsysConfig
+from recsys.core.errors import ConfigError
+from recsys.core.layout import DataFile, RunFile, parse_date
+from recsys.tracking.compare import compare, format_table
+from recsys.tracking.runs import record_ab_metric
+from recsys.training.trainer import is_chief
+from serving_export.formats import export_embeddings
 
-from recsys.config import load_config
-from recsys.errors import RecsysError
-from recsys.layout import parse_date
-from recsys.nightly import STAGES
-from recsys.redact import install_log_redaction, redact_text
-
-# Commands that write into the working directory: they take its lock (recsys.lock).
+# Commands that write into the working directory: they take its lock (conductor.lock).
 _WRITERS = {"preprocess", "train", "evaluate", "export", "sync"}
 
-log = logging.getLogger("recsys")
 
-
-def _parser() -> argparse.ArgumentParser:
-    common = argparse.ArgumentParser(add_help=False)
-    common.add_argument("--config", help="YAML config (default: configs/default.yaml)")
-    common.add_argument("--workdir", default="recsys-work", help="working directory")
-    common.add_argument(
-        "--date", help="run date YYYY-MM-DD: data up to and including it (default: yesterday, UTC)"
-    )
-    common.add_argument("--input", help="raw input path (overrides the config's data source)")
-    common.add_argument("-v", "--verbose", action="store_true", help="debug logging")
-    run_id = argparse.ArgumentParser(add_help=False)
-    run_id.add_argument("--run-id", help="training run to use (default: the date's latest)")
-
-    parser = argparse.ArgumentParser(prog="recsys", description=__doc__)
-    sub = parser.add_subparsers(dest="command", required=True)
-    pre = sub.add_parser("preprocess", parents=[common], help="raw log -> TFRecords (Beam)")
-    pre.add_argument("--output", help="output folder (default: <workdir>/data/<date>)")
-    sub.add_parser("train", parents=[common], help="train the two-tower model")
-    sub.add_parser("evaluate", parents=[common, run_id], help="exact evaluation of a run")
-    exp = sub.add_parser("export", parents=[common, run_id], help="SavedModels + embeddings")
-    exp.add_argument(
-        "--verify",
-        action=argparse.BooleanOptionalAction,
-        default=None,
-        help="reload the exports in a fresh process and compare (default: config)",
-    )
-    night = sub.add_parser(
-        "nightly", parents=[common], help="all stages for one date, tracked in MLflow"
-    )
-    night.add_argument(
-        "--force-promote",
-        action="store_true",
-        help="make this run champion even if the gate says keep (recorded as forced)",
-    )
-    night.add_argument(
-        "--rerun-from",
-        choices=STAGES,
-        help="redo this stage and the ones after it even if they finished (default: resume)",
-    )
-    back = sub.add_parser(
-        "backfill",
-        parents=[common],
-        help="nightly for each date from --start to --end, stopping at the first failure",
-    )
-    back.add_argument("--start", required=True, help="first date YYYY-MM-DD")
-    back.add_argument("--end", required=True, help="last date YYYY-MM-DD (inclusive)")
-    syn = sub.add_parser(
-        "sync", parents=[common], help="log the date's runs left pending while MLflow was down"
-    )
-    syn.add_argument("--tracking-uri", help="tracking server to log to (default: the run's)")
-    cmp = sub.add_parser(
-        "compare", parents=[common], help="offline A/B: runs side by side with bootstrap CIs"
-    )
-    cmp.add_argument(
-        "refs", nargs="+", metavar="RUN", help="run id, champion, challenger, vN or YYYY-MM-DD"
-    )
-    cmp.add_argument("--output", help="report folder (default: <workdir>/comparisons/<time>)")
-    cmp.add_argument("--no-log", action="store_true", help="do not log the report to MLflow")
-    ab = sub.add_parser("ab", help="online A/B test results")
-    ab_sub = ab.add_subparsers(dest="ab_command", required=True)
-    rec = ab_sub.add_parser("record", parents=[common], help="log an observed online metric")
-    rec.add_argument("--experiment", required=True, help="A/B experiment name")
-    rec.add_argument("--variant", required=True, choices=["A", "B"])
-    rec.add_argument("--metric", required=True, help="e.g. ctr, watch_time")
-    rec.add_argument("--value", required=True, type=float)
-    rec.add_argument("--run-id", help="MLflow run id of the model behind this variant")
-    emb = sub.add_parser("embeddings", help="exported embeddings for other consumers")
-    emb_sub = emb.add_subparsers(dest="embeddings_command", required=True)
-    emb_exp = emb_sub.add_parser(
-        "export", parents=[common], help="a version's embeddings as parquet, npy or tfrecord"
-    )
-    emb_exp.add_argument("--version", required=True, type=int, help="export version V")
-    emb_exp.add_argument("--format", required=True, choices=["parquet", "npy", "tfrecord"])
-    emb_exp.add_argument(
-        "--output", help="output folder (default: <workdir>/embeddings-export/<V>-<format>)"
-    )
-    return parser
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    """Entry point: run one subcommand; a user error becomes one line and a non-zero exit."""
-    args = _parser().parse_args(argv)
-    logging.basicConfig(
-        level=logging.DEBUG if args.verbose else logging.INFO,
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-        stream=sys.stderr,
-    )
-    for noisy in ("apache_beam", "absl", "tensorflow", "mlflow", "alembic"):
-        logging.getLogger(noisy).setLevel(logging.WARNING)
-    # Every log line (ours, MLflow's, Beam's, and warnings routed through logging) loses URI
-    # credentials and secret values before it is written (docs/OPERATIONS.md, Security).
-    logging.captureWarnings(True)
-    install_log_redaction()
-    try:
-        return _dispatch(args)
-    except RecsysError as exc:
-        print(f"recsys: error: {redact_text(str(exc))}", file=sys.stderr)
-        return exc.exit_code
-    except KeyboardInterrupt:
-        print("recsys: interrupted", file=sys.stderr)
-        return 130
-
-
-def _dispatch(args: argparse.Namespace) -> int:
-    from recsys import stages
-
-    config = load_config(args.config)
+def dispatch(args: argparse.Namespace, config: RecsysConfig, date: dt.date) -> int:
+    """Run the parsed subcommand under the working directory's lock when it writes there."""
     workdir = stages.check_workdir(args.workdir)
-    date = parse_date(getattr(args, "date", None), config.nightly.timezone)
     if args.command in ("nightly", "backfill") and _non_chief_worker():
-        from recsys.errors import ConfigError
-
         raise ConfigError(
             "TF_CONFIG names this process a non-chief worker: run `recsys nightly` on the "
             "chief only and `recsys train` with the same --config/--date on the other workers"
         )
     # A non-chief multi-worker `train` writes nothing here, and must not wait for the chief.
     if args.command in _WRITERS and not (args.command == "train" and _non_chief_worker()):
-        from recsys.lock import WorkdirLock
-
         with WorkdirLock(workdir.root, command=f"recsys {args.command}"):
             return _run_stage(args, config, workdir, date)
     return _run_stage(args, config, workdir, date)
@@ -153,14 +45,10 @@ def _dispatch(args: argparse.Namespace) -> int:
 def _non_chief_worker() -> bool:
     if not os.environ.get("TF_CONFIG"):
         return False
-    from recsys.training.trainer import is_chief
-
     return not is_chief()
 
 
 def _run_stage(args: argparse.Namespace, config: Any, workdir: Any, date: Any) -> int:
-    from recsys import stages
-
     if args.command == "preprocess":
         out, stats = stages.preprocess(
             config, workdir, date, args.input, Path(args.output) if args.output else None
@@ -177,14 +65,12 @@ def _run_stage(args: argparse.Namespace, config: Any, workdir: Any, date: Any) -
         )
     elif args.command == "evaluate":
         run_dir, report = stages.evaluate(config, workdir, date, args.run_id)
-        print(f"metrics: {run_dir / 'metrics.json'}")
+        print(f"metrics: {run_dir / RunFile.METRICS}")
         _print_metrics(report)
     elif args.command == "export":
         exported = stages.export(config, workdir, date, args.run_id, args.verify)
         _print_export(exported)
     elif args.command == "nightly":
-        from recsys.nightly import run_nightly
-
         result = run_nightly(
             config,
             workdir,
@@ -195,8 +81,6 @@ def _run_stage(args: argparse.Namespace, config: Any, workdir: Any, date: Any) -
         )
         _print_nightly(result)
     elif args.command == "backfill":
-        from recsys.nightly import backfill
-
         start, end = parse_date(args.start), parse_date(args.end)
         backfill(config, workdir, start, end, input_path=args.input, on_date=_print_nightly)
     elif args.command == "sync":
@@ -210,9 +94,9 @@ def _run_stage(args: argparse.Namespace, config: Any, workdir: Any, date: Any) -
         _compare(args, config, workdir)
     elif args.command == "embeddings":
         _embeddings(args, workdir)
+    elif args.command == "ab" and args.ab_command != "record":
+        _ab(args, config, workdir)
     elif args.command == "ab":
-        from recsys.tracking import record_ab_metric
-
         run_id = record_ab_metric(
             config,
             workdir.root,
@@ -224,13 +108,52 @@ def _run_stage(args: argparse.Namespace, config: Any, workdir: Any, date: Any) -
             model_run_id=args.run_id,
         )
         print(f"recorded {args.metric}={args.value} for variant {args.variant} (run {run_id})")
+        print(
+            "note: `recsys ab record` is deprecated: log exposures and outcomes and run "
+            "`recsys ab analyze` (docs/AB_TESTING.md)",
+            file=sys.stderr,
+        )
     # Both gate outcomes (promote, keep) are successful runs: exit code 0.
     return 0
 
 
-def _embeddings(args: argparse.Namespace, workdir: Any) -> None:
-    from serving_export.formats import export_embeddings
+def _ab(args: argparse.Namespace, config: Any, workdir: Any) -> None:
+    if args.ab_command == "plan":
+        plans = plan(Path(args.events), rel_effect=args.effect, share_t=args.share,
+                     alpha=args.alpha, power=args.power)  # fmt: skip
+        print(format_plan(plans, args.effect))
+        return
+    stamp = f"{dt.datetime.now(dt.UTC):%Y%m%dT%H%M%SZ}"
+    folder = workdir.root / "ab" / args.experiment
+    if args.ab_command == "assign":
+        definition = ab_workflow.definition_from_options(
+            args.experiment,
+            Path(args.definition) if args.definition else None,
+            variants=args.variants, split=args.split, holdout=args.holdout, salt=args.salt,
+            start=args.start, primary_metric=args.primary_metric,
+        )  # fmt: skip
+        output = Path(args.output) if args.output else folder / f"assignment-{stamp}.csv"
+        path, counts, pinned = ab_workflow.assign_file(
+            config, workdir.root, definition, Path(args.users), output,
+            log_to_mlflow=not args.no_log,
+        )  # fmt: skip
+        print(f"assignment: {path}")
+        print("users:      " + ", ".join(f"{v} {n}" for v, n in counts.items()))
+        models = ", ".join(f"{v}={m} (version {pinned.versions.get(v, '?')})"
+                           for v, m in pinned.variants.items())  # fmt: skip
+        print(f"models:     {models}")
+        return
+    result = ab_workflow.analyze_experiment(
+        config, workdir.root, args.experiment, Path(args.events),
+        Path(args.output) if args.output else folder / stamp,
+        definition_path=Path(args.definition) if args.definition else None,
+        pre_events=Path(args.pre_events) if args.pre_events else None, start=args.start,
+        promote=args.promote, log_to_mlflow=not args.no_log,
+    )  # fmt: skip
+    print(ab_workflow.format_report(result))
 
+
+def _embeddings(args: argparse.Namespace, workdir: Any) -> None:
     default = workdir.root / "embeddings-export" / f"{args.version}-{args.format}"
     output = Path(args.output) if args.output else default
     for path in export_embeddings(workdir.embeddings(args.version), args.format, output):
@@ -238,10 +161,6 @@ def _embeddings(args: argparse.Namespace, workdir: Any) -> None:
 
 
 def _compare(args: argparse.Namespace, config: Any, workdir: Any) -> None:
-    import datetime as dt
-
-    from recsys.compare import compare, format_table
-
     stamp = f"{dt.datetime.now(dt.UTC):%Y%m%dT%H%M%SZ}"
     output = Path(args.output) if args.output else workdir.root / "comparisons" / stamp
     result = compare(config, workdir.root, args.refs, output, log_to_mlflow=not args.no_log)
@@ -263,14 +182,14 @@ def _print_nightly(result: Any) -> None:
         "stages:      "
         + ", ".join(f"{s.name} {s.status} ({s.seconds:.1f} s)" for s in result.stages)
     )
-    exported = json.loads((result.run_dir / "export.json").read_text())
+    exported = json.loads((result.run_dir / RunFile.EXPORT).read_text())
     for name, path in exported.get("models", {}).items():
         print(f"savedmodel:  {name} -> {path}")
     for name, path in exported.get("embeddings", {}).items():
         print(f"embeddings:  {name} -> {path}")
     publish = result.info("publish")
     print(f"mlflow run:  {publish.get('mlflow_run_id')}")
-    metrics = json.loads((result.run_dir / "metrics.json").read_text())
+    metrics = json.loads((result.run_dir / RunFile.METRICS).read_text())
     _print_metrics(metrics)
     print(
         f"registered:  version {publish.get('registered_version')} "
@@ -301,7 +220,7 @@ def _print_checks(checks: list[dict[str, Any]]) -> None:
 
 
 def _read_stats(data_dir: Path) -> dict[str, Any]:
-    return json.loads((data_dir / "stats.json").read_text())
+    return json.loads((data_dir / DataFile.STATS).read_text())
 
 
 def _print_stats(out: Path, stats: dict[str, Any]) -> None:
@@ -334,7 +253,3 @@ def _print_metrics(report: dict[str, Any]) -> None:
         row = f"{name:<16}{model[name]:>10.4f}"
         row += "".join(f"{baselines[b].get(name, float('nan')):>12.4f}" for b in baselines)
         print(row)
-
-
-if __name__ == "__main__":
-    sys.exit(main())

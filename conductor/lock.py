@@ -21,11 +21,12 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any
 
-from recsys.errors import WorkdirLockedError
+from recsys.core.errors import WorkdirLockedError
+from recsys.core.layout import WorkdirFile
 
 log = logging.getLogger(__name__)
 
-LOCK_FILE = ".recsys.lock"
+LOCK_FILE = WorkdirFile.LOCK
 
 
 def holder_info(command: str) -> dict[str, Any]:

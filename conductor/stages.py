@@ -1,7 +1,8 @@
 """The nightly stages, each usable alone on the previous stage's outputs.
 
-preprocess -> train -> evaluate -> export; recsys.nightly runs them in order, then tracks the run.
-Each stage reads and writes only through `recsys.layout.Workdir`.
+preprocess -> train -> evaluate -> export; conductor.nightly runs them in order, then tracks
+the run.
+Each stage reads and writes only through `recsys.core.layout.Workdir`.
 """
 
 from __future__ import annotations
@@ -18,13 +19,37 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+import pyarrow.parquet as pq
+import tensorflow as tf
 import yaml
 
-from recsys.config import RecsysConfig
-from recsys.errors import ConfigError, DataError
-from recsys.faults import fault_point
-from recsys.layout import Workdir, mark_complete, new_run_id, require_complete
-from recsys.redact import redact_tree
+from beam_jobs.pipeline import run_preprocess
+from conductor.promotion import pending_runs, publish_run
+from recsys import evaluation as ev
+from recsys.core.config import ItemsConfig, RecsysConfig, parse_config
+from recsys.core.errors import ConfigError, DataError
+from recsys.core.faults import fault_point
+from recsys.core.layout import (
+    DataFile,
+    EmbeddingsFile,
+    RunFile,
+    Workdir,
+    mark_complete,
+    new_run_id,
+    next_version,
+    require_complete,
+)
+from recsys.core.redact import redact_tree
+from recsys.model import TrainedModel
+from recsys.model_evaluation import evaluate_model
+from recsys.synthetic import items_path, write_csv, write_items_csv
+from recsys.training.trainer import is_chief, write_dir
+from recsys.training.trainer import train as fit
+from serving_export.activity import read_activity
+from serving_export.publish import finish_publish, publish_dir, stage_embeddings
+from serving_export.savedmodels import export_savedmodels
+from serving_export.verify import verify_export
 
 log = logging.getLogger(__name__)
 
@@ -46,9 +71,6 @@ def resolve_input(
     config = config.with_input(input_path)
     if config.data.source != "synthetic":
         return config, Path(config.data.path or "")
-    from recsys.config import ItemsConfig
-    from recsys.synthetic import items_path, write_csv, write_items_csv
-
     synth = config.data.synthetic
     digest = hashlib.sha256(synth.model_dump_json().encode()).hexdigest()[:12]
     path = workdir.raw() / f"synthetic-{digest}.csv"
@@ -73,8 +95,6 @@ def preprocess(
     output: Path | None = None,
 ) -> tuple[Path, dict[str, Any]]:
     """Run the Beam job for `date`; returns the data folder and its stats."""
-    from beam_jobs.pipeline import run_preprocess
-
     config, raw = resolve_input(config, workdir, input_path)
     out = output or workdir.data(date)
     log.info("preprocess: %s -> %s", raw, out)
@@ -96,9 +116,6 @@ def train(
     run folder is created. `callbacks` are extra Keras callbacks (progress reporting). On a
     non-chief multi-worker process the returned folder is None: the chief writes the run.
     """
-    from recsys.training.trainer import is_chief
-    from recsys.training.trainer import train as fit
-
     data_dir = require_complete(data_dir or workdir.data(date), "recsys preprocess")
     # Under MultiWorkerMirroredStrategy every worker runs this; only the chief owns the run
     # folder (workers' run ids would differ), the others train in step and keep nothing.
@@ -120,10 +137,10 @@ def train(
         _save_discarded(result.model, run_dir)
         return None, result
     shutil.rmtree(backup, ignore_errors=True)  # Keras empties it after a finished run
-    result.model.save(run_dir / "model")
-    _write_json(run_dir / "history.json", result.history)
+    result.model.save(run_dir / RunFile.MODEL)
+    _write_json(run_dir / RunFile.HISTORY, result.history)
     _write_json(
-        run_dir / "train.json",
+        run_dir / RunFile.TRAIN,
         {
             "data_dir": str(data_dir.resolve()),
             "examples_per_second": result.examples_per_second,
@@ -135,22 +152,20 @@ def train(
             "precision": result.precision,
             "best_epoch": result.best_epoch,
             "config_digest": config.digest(),
-            "data_fingerprint": _read_json(data_dir / "stats.json").get("fingerprint"),
+            "data_fingerprint": _read_json(data_dir / DataFile.STATS).get("fingerprint"),
         },
     )
     # Without credentials (tracking.uri may carry some): the digest ignores them, so `recsys
     # sync` still finds this run's MLflow twin from this file.
     clean = redact_tree(config.model_dump(mode="json"), environ={})
-    (run_dir / "config.yaml").write_text(yaml.safe_dump(clean))
+    (run_dir / RunFile.CONFIG).write_text(yaml.safe_dump(clean))
     mark_complete(run_dir)
     return run_dir, result
 
 
 def _save_discarded(model: Any, run_dir: Path) -> None:
     """A non-chief worker saves too (the Keras multi-worker pattern), into a temp dir it drops."""
-    from recsys.training.trainer import write_dir
-
-    tmp = write_dir(run_dir / "model", chief=False)
+    tmp = write_dir(run_dir / RunFile.MODEL, chief=False)
     try:
         model.save(tmp)
     finally:
@@ -159,8 +174,6 @@ def _save_discarded(model: Any, run_dir: Path) -> None:
 
 def _corrupt_shard_error(data_dir: Path, exc: Exception) -> DataError | None:
     """A DataError naming the unreadable TFRecord file behind `exc`, if that is the cause."""
-    import tensorflow as tf
-
     if not isinstance(exc, tf.errors.DataLossError | tf.errors.InvalidArgumentError):
         return None
     for path in sorted(data_dir.glob("*.tfrecord*")):
@@ -189,55 +202,26 @@ def _run_dir(workdir: Workdir, date: dt.date, run_id: str | None) -> Path:
 
 def run_data_dir(run_dir: Path) -> Path:
     """The data folder a training run was trained on (recorded in its train.json)."""
-    return Path(json.loads((run_dir / "train.json").read_text())["data_dir"])
-
-
-def evaluate_model(config: RecsysConfig, model_dir: Path, data_dir: Path) -> tuple[Any, Any]:
-    """A saved model on data_dir's test split: (EvalSet, EvalResult), the one scoring path.
-
-    `recsys evaluate` and the champion/challenger gate both call this, so a champion
-    re-evaluated on today's data is scored exactly as the challenger.
-    """
-    from recsys import evaluation as ev
-    from recsys.model import TrainedModel
-    from recsys.training.dataset import load_split
-
-    model = TrainedModel.load(model_dir)
-    test = load_split(data_dir, "test")
-    eval_set = ev.build_eval_set(
-        model.items, test, [load_split(data_dir, "train"), load_split(data_dir, "validation")]
-    )
-    # Each test example carries the user's history before the test item (empty if the data
-    # has none): the query the model would have seen at that moment.
-    histories = list(test["history"]) if "history" in test else None
-    scores = ev.dot_product_scores(
-        model.user_embeddings(eval_set.users, histories), model.item_embeddings()
-    )
-    return eval_set, ev.evaluate(scores, eval_set, config.evaluation)
+    return Path(json.loads((run_dir / RunFile.TRAIN).read_text())["data_dir"])
 
 
 def evaluate(
     config: RecsysConfig, workdir: Workdir, date: dt.date, run_id: str | None = None
 ) -> tuple[Path, dict[str, Any]]:
     """Exact test-set evaluation of a run next to the popularity baseline (same protocol)."""
-    import numpy as np
-    import pyarrow.parquet as pq
-
-    from recsys import evaluation as ev
-
     run_dir = _run_dir(workdir, date, run_id)
     data_dir = run_data_dir(run_dir)
     log.info("evaluate: %s on %s (test split)", run_dir.name, data_dir)
-    eval_set, result = evaluate_model(config, run_dir / "model", data_dir)
-    result.write_per_user(run_dir / "per_user_eval.parquet", eval_set.users)
-    counts = pq.read_table(data_dir / "item_features.parquet")["train_count"].to_numpy()
+    eval_set, result = evaluate_model(config, run_dir / RunFile.MODEL, data_dir)
+    result.write_per_user(run_dir / RunFile.PER_USER_EVAL, eval_set.users)
+    counts = pq.read_table(data_dir / DataFile.ITEM_FEATURES)["train_count"].to_numpy()
     baseline = ev.evaluate(ev.popularity_scores(np.asarray(counts)), eval_set, config.evaluation)
     report = {
         "protocol": "leave-last-out test item; train+validation items removed; full catalog",
         "model": result.metrics,
         "baselines": {"popularity": baseline.metrics},
     }
-    _write_json(run_dir / "metrics.json", report)
+    _write_json(run_dir / RunFile.METRICS, report)
     return run_dir, report
 
 
@@ -260,15 +244,8 @@ def export(
 ) -> ExportResult:
     """SavedModels (TF Serving layout) and embedding files for a run, verified when asked."""
     run_dir = _run_dir(workdir, date, run_id)
-    from recsys.layout import next_version
-    from recsys.model import TrainedModel
-    from serving_export.activity import read_activity
-    from serving_export.publish import finish_publish, publish_dir, stage_embeddings
-    from serving_export.savedmodels import export_savedmodels
-    from serving_export.verify import verify_export
-
-    model = TrainedModel.load(run_dir / "model")
-    version = _reserve_version(run_dir, workdir, next_version)
+    model = TrainedModel.load(run_dir / RunFile.MODEL)
+    version = _reserve_version(run_dir, workdir)
     log.info("export: %s as version %d", run_dir.name, version)
     report: dict[str, Any] = {}
     # Verify in a staging root, then publish by rename: TF Serving never sees an unverified
@@ -307,7 +284,7 @@ def export(
             fault_point("export:published-one")
     finally:
         shutil.rmtree(staging, ignore_errors=True)
-    # models.config keeps its champion/challenger labels (recsys.promotion moves them), and
+    # models.config keeps its champion/challenger labels (conductor.promotion moves them), and
     # versions beyond export.keep_versions go, except the labelled ones and this one.
     serving = finish_publish(
         workdir.root / "export", workdir.root / "embeddings", models, version, config.export
@@ -316,12 +293,12 @@ def export(
         kind: workdir.embeddings(version) / f"{kind}.parquet" for kind in ("items", "users")
     }
     _write_json(
-        run_dir / "export.json",
+        run_dir / RunFile.EXPORT,
         {
             "version": version,
             "models": {k: str(v) for k, v in models.items()},
             "embeddings": {k: str(v) for k, v in embeddings.items()},
-            "embeddings_manifest": str(workdir.embeddings(version) / "manifest.json"),
+            "embeddings_manifest": str(workdir.embeddings(version) / EmbeddingsFile.MANIFEST),
             "ann": staged_embeddings["ann"],
             "serving": serving,
             "verification": report,
@@ -330,13 +307,13 @@ def export(
     return ExportResult(version, models, embeddings, report)
 
 
-def _reserve_version(run_dir: Path, workdir: Workdir, next_version: Any) -> int:
+def _reserve_version(run_dir: Path, workdir: Workdir) -> int:
     """The run's export version: reserved on first use, so a rerun after a crash reuses it.
 
     Without the reservation a crash after publishing some models (query/7) but not others
     would leave version 7 half-served and the rerun would publish everything as version 8.
     """
-    path = run_dir / "export_version.json"
+    path = run_dir / RunFile.EXPORT_VERSION
     if path.is_file():
         return int(json.loads(path.read_text())["version"])
     names = ("query", "candidate", "retrieval")
@@ -353,13 +330,10 @@ def sync(
     config: RecsysConfig, workdir: Workdir, date: dt.date, tracking_uri: str | None = None
 ) -> list[Any]:
     """Publish the date's runs left pending by an unreachable tracking server (oldest first)."""
-    from recsys.config import parse_config
-    from recsys.promotion import pending_runs, publish_run
-
     results = []
     for run_dir in pending_runs(workdir, date):
         # The run's own config: its digest identifies the run, whatever --config says now.
-        run_config = parse_config(yaml.safe_load((run_dir / "config.yaml").read_text()))
+        run_config = parse_config(yaml.safe_load((run_dir / RunFile.CONFIG).read_text()))
         uri = tracking_uri or config.tracking.uri
         log.info("sync: publishing %s", run_dir)
         results.append(publish_run(run_config, workdir, date, run_dir, tracking_uri=uri))

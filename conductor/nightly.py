@@ -10,7 +10,7 @@ output folder when it finished (layout.mark_stage), keyed to the date and the co
 
 A rerun after a crash continues at the first unfinished stage (training resumes from its
 BackupAndRestore checkpoint); a rerun after success does nothing and says so. The whole run
-holds the working directory's lock (recsys.lock).
+holds the working directory's lock (conductor.lock).
 """
 
 from __future__ import annotations
@@ -28,26 +28,34 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from recsys import stages
-from recsys.config import RecsysConfig
-from recsys.errors import RecsysError, StageFailedError, StorageError
-from recsys.faults import fault_point
-from recsys.layout import (
+from conductor import stages
+from conductor.lock import WorkdirLock
+from conductor.progress import KerasProgress
+from conductor.promotion import device_layout, publish_run
+from recsys.core.config import RecsysConfig
+from recsys.core.errors import ConfigError, RecsysError, StageFailedError, StorageError
+from recsys.core.faults import fault_point
+from recsys.core.layout import (
+    STAGES,
+    DataFile,
+    RunFile,
     Workdir,
+    WorkdirFile,
     clean_temporaries,
     is_complete,
     mark_stage,
+    missing_outputs,
     new_run_id,
     stage_info,
 )
-from recsys.lock import WorkdirLock
+from recsys.tracking import registry
+from recsys.tracking.runs import connect, log_file_redacted
 
 log = logging.getLogger(__name__)
 
-STAGES = ("preprocess", "train", "evaluate", "export", "publish")
-RUN_KEY = "nightly.json"
-SUMMARY = "summary.md"
-CHAMPION_FILE = "champion.json"
+RUN_KEY = RunFile.NIGHTLY
+SUMMARY = RunFile.SUMMARY
+CHAMPION_FILE = WorkdirFile.CHAMPION
 # errno values that mean "the disk, not the program": reported as StorageError (exit 9).
 _STORAGE_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EIO}
 
@@ -120,8 +128,6 @@ def backfill(
 ) -> list[NightlyResult]:
     """Nightly for each date from start to end, in order; the first failure stops it."""
     if end < start:
-        from recsys.errors import ConfigError
-
         raise ConfigError(f"--end {end} is before --start {start}")
     results = []
     with WorkdirLock(workdir.root, command=f"recsys backfill --start {start} --end {end}"):
@@ -189,7 +195,7 @@ class _Nightly:
 
     def _done(self, name: str) -> dict[str, Any] | None:
         info = stage_info(self._folder(name), name)
-        if info is None:
+        if info is None or missing_outputs(name, self._folder(name)):
             return None
         if name == "preprocess":
             valid = is_complete(self._folder(name)) and info.get("digest") == self._pre_digest
@@ -274,8 +280,6 @@ class _Nightly:
     def _train(self) -> dict[str, Any]:
         callbacks = []
         if self.progress:
-            from recsys.progress import KerasProgress
-
             callbacks.append(KerasProgress())
         _, result = stages.train(
             self.config,
@@ -285,8 +289,6 @@ class _Nightly:
             run_dir=self.run_dir,
             callbacks=callbacks,
         )
-        from recsys.promotion import device_layout
-
         self._device = device_layout(result)
         return {"best_epoch": result.best_epoch, "examples_per_second": result.examples_per_second}
 
@@ -299,8 +301,6 @@ class _Nightly:
         return {"version": exported.version}
 
     def _publish(self) -> dict[str, Any]:
-        from recsys.promotion import publish_run
-
         fault_point("publish:before")
         timings = {f"{o.name}_seconds": o.seconds for o in self.outcomes if o.name != "publish"}
         published = publish_run(
@@ -345,7 +345,7 @@ class _Nightly:
 
 
 def _fingerprint(data_dir: Path) -> str | None:
-    return json.loads((data_dir / "stats.json").read_text()).get("fingerprint")
+    return json.loads((data_dir / DataFile.STATS).read_text()).get("fingerprint")
 
 
 def _failed(stage: str, exc: BaseException) -> StageFailedError:
@@ -383,9 +383,6 @@ def _record_champion(config: RecsysConfig, workdir: Workdir) -> None:
     Retention reads it to never delete what the served model needs, even if the tracking
     server is unreachable on a later night.
     """
-    from recsys import registry
-    from recsys.tracking import connect
-
     client = connect(config, workdir.root)
     champion = registry.alias_version(client, config.model_name, registry.CHAMPION)
     if champion is None:
@@ -491,7 +488,7 @@ def write_summary(result: NightlyResult) -> Path:
 
 def _metrics_table(run_dir: Path, metrics: dict[str, float]) -> list[str]:
     """Test metrics next to the baselines measured under the same protocol (metrics.json)."""
-    report_path = run_dir / "metrics.json"
+    report_path = run_dir / RunFile.METRICS
     report = json.loads(report_path.read_text()) if report_path.is_file() else {}
     baselines = report.get("baselines", {})
     users = int(metrics.get("eval_users", 0))
@@ -513,8 +510,6 @@ def _log_summary(config: RecsysConfig, workdir: Workdir, result: NightlyResult) 
     run_id = result.info("publish").get("mlflow_run_id")
     if not run_id or result.summary_path is None:
         return
-    from recsys.tracking import connect, log_file_redacted
-
     try:
         log_file_redacted(connect(config, workdir.root), run_id, result.summary_path)
     except Exception as exc:  # the summary is in the run folder either way

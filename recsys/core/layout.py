@@ -26,16 +26,241 @@ import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from enum import StrEnum
 from pathlib import Path
 
-from recsys.errors import ConfigError, StageNotReadyError
+from recsys.core.errors import ConfigError, StageNotReadyError
 
 log = logging.getLogger(__name__)
 
 SUCCESS = "_SUCCESS"
+# The nightly's stages in order; each one done marks its folder `_SUCCESS.<stage>`.
+STAGES = ("preprocess", "train", "evaluate", "export", "publish")
 # Prefixes of the temporary siblings that atomic writers create; never visible as outputs.
 TEMP_PREFIXES = (".tmp-", ".old-", ".staging-")
 _RUN_ID = re.compile(r"^[0-9]{8}T[0-9]{6}Z-[0-9a-f]{8}-[0-9a-f]{4}$")
+
+
+class DataFile(StrEnum):
+    """The files of one day's preprocessed data folder (`data/<date>/`), written by preprocess."""
+
+    STATS = "stats.json"
+    ITEM_FEATURES = "item_features.parquet"
+    VOCAB = "vocab"
+    USER_VOCAB = "vocab/users.txt"
+    ITEM_VOCAB = "vocab/items.txt"
+    REJECTED = "rejected"
+
+
+class RunFile(StrEnum):
+    """The files of one training run folder (`runs/<date>/<run_id>/`)."""
+
+    MODEL = "model"
+    CONFIG = "config.yaml"
+    HISTORY = "history.json"
+    TRAIN = "train.json"
+    METRICS = "metrics.json"
+    PER_USER_EVAL = "per_user_eval.parquet"
+    EXPORT = "export.json"
+    EXPORT_VERSION = "export_version.json"
+    NIGHTLY = "nightly.json"
+    SUMMARY = "summary.md"
+    PENDING = "mlflow_pending.json"
+    GATE = "gate.json"
+
+
+class ModelFile(StrEnum):
+    """The files of a saved model folder (`<run>/model/`): weights, vocabularies, config."""
+
+    CONFIG = "model.json"
+    USER_VOCAB = "users.txt"
+    ITEM_VOCAB = "items.txt"
+
+
+class EmbeddingsFile(StrEnum):
+    """The files of one embeddings version (`embeddings/<version>/`)."""
+
+    ITEMS = "items.parquet"
+    USERS = "users.parquet"
+    MANIFEST = "manifest.json"
+    ANN_INDEX = "items.faiss"
+
+
+class WorkdirFile(StrEnum):
+    """Files at fixed places of the working directory."""
+
+    CHAMPION = "champion.json"
+    LOCK = ".recsys.lock"
+    MODELS_CONFIG = "models.config"  # under export/
+
+
+@dataclass(frozen=True)
+class DataDir:
+    """Typed paths of one day's preprocessed data folder."""
+
+    path: Path
+
+    def __truediv__(self, name: str) -> Path:
+        return self.path / name
+
+    @property
+    def stats(self) -> Path:
+        return self.path / DataFile.STATS
+
+    @property
+    def item_features(self) -> Path:
+        return self.path / DataFile.ITEM_FEATURES
+
+    @property
+    def vocab(self) -> Path:
+        return self.path / DataFile.VOCAB
+
+    @property
+    def user_vocab(self) -> Path:
+        return self.path / DataFile.USER_VOCAB
+
+    @property
+    def item_vocab(self) -> Path:
+        return self.path / DataFile.ITEM_VOCAB
+
+    @property
+    def rejected(self) -> Path:
+        return self.path / DataFile.REJECTED
+
+
+@dataclass(frozen=True)
+class RunDir:
+    """Typed paths of one training run folder."""
+
+    path: Path
+
+    def file(self, name: RunFile) -> Path:
+        """The path of one declared run file."""
+        return self.path / name
+
+    @property
+    def model(self) -> Path:
+        return self.path / RunFile.MODEL
+
+    @property
+    def model_json(self) -> Path:
+        return self.model / ModelFile.CONFIG
+
+    @property
+    def config(self) -> Path:
+        return self.path / RunFile.CONFIG
+
+    @property
+    def history(self) -> Path:
+        return self.path / RunFile.HISTORY
+
+    @property
+    def train(self) -> Path:
+        return self.path / RunFile.TRAIN
+
+    @property
+    def metrics(self) -> Path:
+        return self.path / RunFile.METRICS
+
+    @property
+    def per_user_eval(self) -> Path:
+        return self.path / RunFile.PER_USER_EVAL
+
+    @property
+    def export(self) -> Path:
+        return self.path / RunFile.EXPORT
+
+    @property
+    def export_version(self) -> Path:
+        return self.path / RunFile.EXPORT_VERSION
+
+    @property
+    def nightly(self) -> Path:
+        return self.path / RunFile.NIGHTLY
+
+    @property
+    def summary(self) -> Path:
+        return self.path / RunFile.SUMMARY
+
+
+@dataclass(frozen=True)
+class StageSpec:
+    """What a stage reads and writes, TFX-style: declared files, not re-listed by callers."""
+
+    name: str
+    producer: str  # the command that makes the outputs, for "run X first" messages
+    reads: tuple[DataFile | RunFile, ...]
+    writes: tuple[DataFile | RunFile, ...]
+
+
+STAGE_SPECS: dict[str, StageSpec] = {
+    spec.name: spec
+    for spec in (
+        StageSpec(
+            "preprocess",
+            "recsys preprocess",
+            reads=(),
+            writes=(
+                DataFile.STATS,
+                DataFile.ITEM_FEATURES,
+                DataFile.USER_VOCAB,
+                DataFile.ITEM_VOCAB,
+            ),
+        ),
+        StageSpec(
+            "train",
+            "recsys train",
+            reads=(
+                DataFile.STATS,
+                DataFile.ITEM_FEATURES,
+                DataFile.USER_VOCAB,
+                DataFile.ITEM_VOCAB,
+            ),
+            writes=(RunFile.MODEL, RunFile.CONFIG, RunFile.HISTORY, RunFile.TRAIN),
+        ),
+        StageSpec(
+            "evaluate",
+            "recsys evaluate",
+            reads=(RunFile.MODEL, RunFile.TRAIN, DataFile.ITEM_FEATURES),
+            writes=(RunFile.METRICS, RunFile.PER_USER_EVAL),
+        ),
+        StageSpec(
+            "export",
+            "recsys export",
+            reads=(RunFile.MODEL, RunFile.TRAIN, RunFile.CONFIG, DataFile.ITEM_FEATURES),
+            writes=(RunFile.EXPORT,),
+        ),
+        StageSpec(
+            "publish",
+            "recsys nightly",
+            reads=(
+                RunFile.TRAIN,
+                RunFile.CONFIG,
+                RunFile.HISTORY,
+                RunFile.METRICS,
+                RunFile.PER_USER_EVAL,
+                RunFile.EXPORT,
+                DataFile.STATS,
+            ),
+            writes=(),
+        ),
+    )
+}
+
+
+def missing_inputs(stage: str, run_dir: Path) -> list[str]:
+    """The run files a stage declares it reads that `run_dir` lacks (data files not checked)."""
+    spec = STAGE_SPECS[stage]
+    return [
+        str(name)
+        for name in spec.reads
+        if isinstance(name, RunFile) and not (run_dir / name).exists()
+    ]
+
+
+def missing_outputs(stage: str, folder: Path) -> list[str]:
+    """The files a stage declares it writes that its output `folder` lacks: done means none."""
+    return [str(name) for name in STAGE_SPECS[stage].writes if not (folder / name).exists()]
 
 
 def parse_date(value: str | None, timezone: str = "UTC") -> dt.date:
@@ -95,6 +320,12 @@ class Workdir:
 
     def mlflow_store(self) -> Path:
         return self.root / "mlflow"
+
+    def champion_file(self) -> Path:
+        return self.root / WorkdirFile.CHAMPION
+
+    def models_config(self) -> Path:
+        return self.root / "export" / WorkdirFile.MODELS_CONFIG
 
 
 def new_run_id(config_digest: str) -> str:

@@ -1,0 +1,170 @@
+"""The `recsys` command line: one subcommand per stage, plus `nightly` for all of them."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+from recsys.core.config import load_config
+from recsys.core.errors import RecsysError
+from recsys.core.layout import STAGES, parse_date
+from recsys.core.redact import install_log_redaction, redact_text
+
+log = logging.getLogger("recsys")
+
+
+def _parser() -> argparse.ArgumentParser:
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("--config", help="YAML config (default: configs/default.yaml)")
+    common.add_argument("--workdir", default="recsys-work", help="working directory")
+    common.add_argument(
+        "--date", help="run date YYYY-MM-DD: data up to and including it (default: yesterday, UTC)"
+    )
+    common.add_argument("--input", help="raw input path (overrides the config's data source)")
+    common.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    run_id = argparse.ArgumentParser(add_help=False)
+    run_id.add_argument("--run-id", help="training run to use (default: the date's latest)")
+
+    parser = argparse.ArgumentParser(prog="recsys", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    pre = sub.add_parser("preprocess", parents=[common], help="raw log -> TFRecords (Beam)")
+    pre.add_argument("--output", help="output folder (default: <workdir>/data/<date>)")
+    sub.add_parser("train", parents=[common], help="train the two-tower model")
+    sub.add_parser("evaluate", parents=[common, run_id], help="exact evaluation of a run")
+    exp = sub.add_parser("export", parents=[common, run_id], help="SavedModels + embeddings")
+    exp.add_argument(
+        "--verify",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="reload the exports in a fresh process and compare (default: config)",
+    )
+    night = sub.add_parser(
+        "nightly", parents=[common], help="all stages for one date, tracked in MLflow"
+    )
+    night.add_argument(
+        "--force-promote",
+        action="store_true",
+        help="make this run champion even if the gate says keep (recorded as forced)",
+    )
+    night.add_argument(
+        "--rerun-from",
+        choices=STAGES,
+        help="redo this stage and the ones after it even if they finished (default: resume)",
+    )
+    back = sub.add_parser(
+        "backfill",
+        parents=[common],
+        help="nightly for each date from --start to --end, stopping at the first failure",
+    )
+    back.add_argument("--start", required=True, help="first date YYYY-MM-DD")
+    back.add_argument("--end", required=True, help="last date YYYY-MM-DD (inclusive)")
+    syn = sub.add_parser(
+        "sync", parents=[common], help="log the date's runs left pending while MLflow was down"
+    )
+    syn.add_argument("--tracking-uri", help="tracking server to log to (default: the run's)")
+    cmp = sub.add_parser(
+        "compare", parents=[common], help="offline A/B: runs side by side with bootstrap CIs"
+    )
+    cmp.add_argument(
+        "refs", nargs="+", metavar="RUN", help="run id, champion, challenger, vN or YYYY-MM-DD"
+    )
+    cmp.add_argument("--output", help="report folder (default: <workdir>/comparisons/<time>)")
+    cmp.add_argument("--no-log", action="store_true", help="do not log the report to MLflow")
+    ab = sub.add_parser("ab", help="online A/B tests: assign users, analyse the log, decide")
+    ab_sub = ab.add_subparsers(dest="ab_command", required=True)
+    _ab_parsers(ab_sub, common)
+    rec = ab_sub.add_parser(
+        "record", parents=[common], help="(deprecated: use `ab analyze`) log one online number"
+    )
+    rec.add_argument("--experiment", required=True, help="A/B experiment name")
+    rec.add_argument("--variant", required=True, choices=["A", "B"])
+    rec.add_argument("--metric", required=True, help="e.g. ctr, watch_time")
+    rec.add_argument("--value", required=True, type=float)
+    rec.add_argument("--run-id", help="MLflow run id of the model behind this variant")
+    emb = sub.add_parser("embeddings", help="exported embeddings for other consumers")
+    emb_sub = emb.add_subparsers(dest="embeddings_command", required=True)
+    emb_exp = emb_sub.add_parser(
+        "export", parents=[common], help="a version's embeddings as parquet, npy or tfrecord"
+    )
+    emb_exp.add_argument("--version", required=True, type=int, help="export version V")
+    emb_exp.add_argument("--format", required=True, choices=["parquet", "npy", "tfrecord"])
+    emb_exp.add_argument(
+        "--output", help="output folder (default: <workdir>/embeddings-export/<V>-<format>)"
+    )
+    return parser
+
+
+def _ab_parsers(ab_sub: Any, common: argparse.ArgumentParser) -> None:
+    definition = argparse.ArgumentParser(add_help=False)
+    definition.add_argument("--experiment", required=True, help="A/B experiment name")
+    definition.add_argument("--definition", help="experiment definition YAML (docs/AB_TESTING.md)")
+    asg = ab_sub.add_parser(
+        "assign", parents=[common, definition], help="variant of every user in a file (+ MLflow)"
+    )
+    asg.add_argument("--users", required=True, help="user ids: text (one a line), CSV or Parquet")
+    asg.add_argument("--output", help="CSV user_id,variant,bucket (default: <workdir>/ab/...)")
+    asg.add_argument("--variants", help="variant=model pairs, control first (A=champion,B=v7)")
+    asg.add_argument("--split", help="variant=share pairs of all traffic (A=0.45,B=0.45)")
+    asg.add_argument("--holdout", type=float, help="share of users held out of the experiment")
+    asg.add_argument("--salt", help="hash salt (change it to reshuffle users)")
+    asg.add_argument("--start", help="first day of the experiment, YYYY-MM-DD")
+    asg.add_argument("--primary-metric", help="default: ctr when clicks and impressions exist")
+    asg.add_argument("--no-log", action="store_true", help="do not record it in MLflow")
+    ana = ab_sub.add_parser(
+        "analyze", parents=[common, definition], help="analyse an exposure/outcome log"
+    )
+    ana.add_argument("--events", required=True, help="Parquet or CSV: user_id, variant, ...")
+    ana.add_argument("--pre-events", help="pre-period log of the same users (CUPED)")
+    ana.add_argument(
+        "--start", help="first day YYYY-MM-DD (default: the definition's): earlier rows are CUPED's"
+    )
+    ana.add_argument("--output", help="report folder (default: <workdir>/ab/<name>/<time>)")
+    ana.add_argument(
+        "--promote", action="store_true", help="move `champion` to the winner, if there is one"
+    )
+    ana.add_argument("--no-log", action="store_true", help="do not log the analysis to MLflow")
+    pln = ab_sub.add_parser(
+        "plan", parents=[common], help="users needed / MDE from a log of normal traffic"
+    )
+    pln.add_argument("--events", required=True, help="Parquet or CSV: user_id, timestamp, ...")
+    pln.add_argument("--effect", type=float, default=0.02, help="relative lift to detect")
+    pln.add_argument("--share", type=float, default=0.5, help="treatment's share of the test")
+    pln.add_argument("--alpha", type=float, default=0.05)
+    pln.add_argument("--power", type=float, default=0.8)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point: run one subcommand; a user error becomes one line and a non-zero exit."""
+    args = _parser().parse_args(argv)
+    logging.basicConfig(
+        level=logging.DEBUG if args.verbose else logging.INFO,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        stream=sys.stderr,
+    )
+    for noisy in ("apache_beam", "absl", "tensorflow", "mlflow", "alembic"):
+        logging.getLogger(noisy).setLevel(logging.WARNING)
+    # Every log line (ours, MLflow's, Beam's, and warnings routed through logging) loses URI
+    # credentials and secret values before it is written (docs/OPERATIONS.md, Security).
+    logging.captureWarnings(True)
+    install_log_redaction()
+    try:
+        # Checked before the commands' import, which is about 5 s (TensorFlow, Beam, MLflow;
+        # `python -X importtime`) that `--help` and a bad config or date never need.
+        config = load_config(args.config)
+        date = parse_date(getattr(args, "date", None), config.nightly.timezone)
+        from conductor.commands import dispatch
+
+        return dispatch(args, config, date)
+    except RecsysError as exc:
+        print(f"recsys: error: {redact_text(str(exc))}", file=sys.stderr)
+        return exc.exit_code
+    except KeyboardInterrupt:
+        print("recsys: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,1 @@
+"""Tracking: MLflow runs, the model registry, the champion/challenger gate, comparisons."""
