@@ -12,7 +12,24 @@ from recsys.model.inputs import HISTORY_INDEX, ITEM_INDEX, USER_INDEX, feature_i
 from recsys.model.layers import Baked, bake_features, embedding, masked_mean, mlp, tower_output
 
 
-class QueryTower(tf.keras.Model):
+class _Tower(tf.keras.Model):
+    """What both towers end with: `normalize(MLP(x))` (attributes `mlp`, `normalize`)."""
+
+    mlp: list[tf.keras.layers.Layer]
+    normalize: bool
+
+    def finish(self, x: tf.Tensor) -> tf.Tensor:
+        """The MLP, then the float32 (L2-normalised) output."""
+        for layer in self.mlp:
+            x = layer(x)
+        return tower_output(x, self.normalize)
+
+    def get_config(self) -> dict[str, object]:
+        # Rebuilt from model.json by TrainedModel.load, never from a Keras config.
+        return {"name": self.name}
+
+
+class QueryTower(_Tower):
     """`q = normalize(MLP(U[u] + enc(H(u)) + sum_f A_f[a_f(u)]))`.
 
     U is the (users + oov) x d user table; H(u) the user's last `history_length` items (index
@@ -77,16 +94,10 @@ class QueryTower(tf.keras.Model):
         for name in getattr(self, "feature_names", ()):
             ids = tf.gather(self.feature_ids[name], inputs[USER_INDEX])
             x = x + masked_mean(self.feature_embeddings[name], ids)
-        for layer in self.mlp:
-            x = layer(x)
-        return tower_output(x, self.normalize)
-
-    def get_config(self) -> dict[str, object]:
-        # Rebuilt from model.json by TrainedModel.load, never from a Keras config.
-        return {"name": self.name}
+        return self.finish(x)
 
 
-class CandidateTower(tf.keras.Model):
+class CandidateTower(_Tower):
     """`c = normalize(MLP(V[i] + sum_f mean_{t in F_f(i)} W_f[t]))`.
 
     V is the (items + oov) x d item table; for each item feature f (genres, title tokens) the
@@ -122,9 +133,4 @@ class CandidateTower(tf.keras.Model):
             if ids is None:
                 ids = tf.gather(self.feature_ids[name], indices)
             x = x + masked_mean(self.feature_embeddings[name], ids)
-        for layer in self.mlp:
-            x = layer(x)
-        return tower_output(x, self.normalize)
-
-    def get_config(self) -> dict[str, object]:
-        return {"name": self.name}
+        return self.finish(x)
