@@ -292,6 +292,19 @@ class ModelConfig(_Strict):
     max_title_tokens: int = Field(16, ge=1, le=1024)
     # Extra hard negatives (TFRS HardNegativeMining): keep only the top-N negatives per query.
     num_hard_negatives: int | None = Field(None, ge=1, le=MAX_BATCH)
+    # How the history becomes a vector: mean pooling (order ignored) or causal self-attention
+    # over the ordered history (SASRec-style; docs/TRAINING.md).
+    query_encoder: Literal["mean", "transformer"] = "mean"
+    encoder_layers: int = Field(2, ge=1, le=64)
+    encoder_heads: int = Field(1, ge=1, le=64)
+    encoder_dropout: float = Field(0.2, ge=0, lt=1)
+    # Softmax negatives: the global batch's other items (in_batch), those plus a shared pool of
+    # `sampled_negatives` items drawn per batch (mixed), or the whole catalog (full). Sampled
+    # columns are logQ-corrected by the mixture of both samplers. `auto`: full up to
+    # recsys.model.defaults.FULL_SOFTMAX_MAX_ITEMS catalog items, else mixed (logged).
+    negatives: Literal["auto", "in_batch", "mixed", "full"] = "in_batch"
+    sampled_negatives: int = Field(4096, ge=1, le=MAX_BATCH)
+    negative_sampler: Literal["uniform", "popularity"] = "uniform"
 
 
 class TrainingConfig(_Strict):

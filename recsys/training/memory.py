@@ -8,8 +8,11 @@ and is OOM-killed minutes later. The estimate counts the big float32 buffers onl
 - optimizer slots and gradients: Adam keeps m and v per weight, Adagrad one accumulator, and
   tf_keras updates whole tables (GOTCHAS), so one more table-sized gradient buffer;
 - logits block: the in-batch softmax scores r x b logits at a time (r = min(b, BLOCK_ROWS);
-  the whole b x b without the blocked loss), with softmax and gradient, 3 copies;
-- tower activations: b x d per tower and per hidden layer, forward and backward.
+  the whole b x b without the blocked loss); the `mixed` and `full` negatives score b x (b +
+  pool) and b x items at once; with softmax and gradient, 3 copies;
+- tower activations: b x d per tower and per hidden layer, forward and backward; the
+  transformer encoder adds b x L x d per layer (x 8: attention, MLP, norms, backward) and its
+  b x heads x L x L attention weights.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ from pathlib import Path
 from recsys.core.config import RecsysConfig
 from recsys.core.errors import ConfigError
 from recsys.losses import BLOCK_ROWS
+from recsys.model.defaults import DataShape, resolve
 
 FLOAT = 4  # bytes of float32
 GIB = 1 << 30
@@ -39,15 +43,21 @@ def estimate(config: RecsysConfig, users: int, items: int, examples: int) -> dic
     widths = [d, *m.hidden_dims]
     dense = sum(a * b for a, b in itertools.pairwise(widths)) * 2
     tables = ((users + m.oov_buckets) + (items + m.oov_buckets)) * d + dense
-    slots = 2 if t.optimizer == "adam" else 1
+    slots = 1 if t.optimizer == "adagrad" else 2
     batch = max(1, min(t.batch_size, examples or t.batch_size))
-    blocked = m.num_hard_negatives is None
+    negatives = resolve(m, DataShape(items, 0.0))[0].negatives
+    columns = {"full": items, "mixed": batch + m.sampled_negatives}.get(negatives, batch)
+    blocked = m.num_hard_negatives is None and negatives == "in_batch"
     rows = min(batch, BLOCK_ROWS) if blocked else batch
+    activations = batch * sum(widths) * 2 * 2
+    if m.query_encoder == "transformer":
+        length = m.history_length
+        activations += m.encoder_layers * batch * length * (8 * d + m.encoder_heads * length)
     return {
         "embedding tables": tables * FLOAT,
         "optimizer slots and gradients": tables * (slots + 1) * FLOAT,
-        "logits block": rows * batch * 3 * FLOAT,
-        "tower activations": batch * sum(widths) * 2 * 2 * FLOAT,
+        "logits block": rows * columns * 3 * FLOAT,
+        "tower activations": activations * FLOAT,
     }
 
 
@@ -85,6 +95,8 @@ def check_memory(
 def _setting(config: RecsysConfig, part: str) -> str:
     """The config values that drive one part of the estimate, as the message names them."""
     m, t = config.model, config.training
+    if part == "logits block" and m.negatives != "in_batch":
+        return f"training.batch_size ({t.batch_size}) or model.negatives ({m.negatives})"
     if part in ("logits block", "tower activations"):
         return f"training.batch_size ({t.batch_size}) or model.embedding_dim ({m.embedding_dim})"
     return f"model.embedding_dim ({m.embedding_dim}) or model.oov_buckets ({m.oov_buckets})"

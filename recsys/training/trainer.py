@@ -20,7 +20,7 @@ import tensorflow as tf
 
 from recsys import evaluation as ev
 from recsys.core import schema
-from recsys.core.config import EvaluationConfig, RecsysConfig, TrainingConfig
+from recsys.core.config import EvaluationConfig, ModelConfig, RecsysConfig, TrainingConfig
 from recsys.core.errors import ConfigError, OutOfMemoryError, StorageError, storage_errno
 from recsys.core.layout import DataFile
 from recsys.data_io import iter_split, load_split
@@ -32,7 +32,13 @@ from recsys.model import (
     read_vocab,
     warm_start,
 )
-from recsys.training.dataset import in_memory_bytes, in_memory_dataset, training_dataset
+from recsys.model.defaults import DataShape, resolve
+from recsys.training.dataset import (
+    in_memory_bytes,
+    in_memory_dataset,
+    item_log_probabilities,
+    training_dataset,
+)
 from recsys.training.keras_backup_adapter import BackupEveryStepsAndEpoch
 from recsys.training.lazy_adam import LazyAdam
 from recsys.training.memory import check_memory
@@ -362,12 +368,18 @@ def build_model(
     user_features = UserFeatures()
     if config.model.user_features:
         user_features = UserFeatures.from_parquet(data_dir / "user_features.parquet", users)
+    model_config = resolved_model_config(config, data_dir)
     tf.keras.mixed_precision.set_global_policy(precision)
     try:
-        trained = TrainedModel.build(users, items, config.model, features, user_features)
+        trained = TrainedModel.build(users, items, model_config, features, user_features)
     finally:
         tf.keras.mixed_precision.set_global_policy("float32")
-    model = TwoTowerModel(trained.query_tower, trained.candidate_tower, config.model)
+    model = TwoTowerModel(
+        trained.query_tower,
+        trained.candidate_tower,
+        model_config,
+        item_log_probabilities(data_dir, trained),
+    )
     model.compile(
         optimizer=make_optimizer(config.training, precision),
         jit_compile=jit_compile,
@@ -377,6 +389,16 @@ def build_model(
     # to restore the optimizer's slots along with the weights.
     model.built = True
     return trained, model
+
+
+def resolved_model_config(config: RecsysConfig, data_dir: Path) -> ModelConfig:
+    """`config.model` with its `auto` settings resolved from the data's stats.json (logged)."""
+    stats = json.loads((data_dir / DataFile.STATS).read_text())
+    shape = DataShape.from_stats(stats)
+    model_config, reasons = resolve(config.model, shape)
+    for reason in reasons:
+        log.info("model auto setting: %s", reason)
+    return model_config
 
 
 def use_jit(setting: str, replicas: int, gpus: int = 0) -> bool:

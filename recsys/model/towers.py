@@ -1,0 +1,136 @@
+"""The two towers: a query tower (user, history, user features) and a candidate tower (item,
+item features), each ending in an optional MLP and an L2 normalisation."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import tensorflow as tf
+
+from recsys.model.encoders import EncoderSpec, TransformerEncoder
+from recsys.model.inputs import HISTORY_INDEX, ITEM_INDEX, USER_INDEX, feature_index
+from recsys.model.layers import Baked, bake_features, embedding, masked_mean, mlp, tower_output
+
+
+class _Tower(tf.keras.Model):
+    """What both towers end with: `normalize(MLP(x))` (attributes `mlp`, `normalize`)."""
+
+    mlp: list[tf.keras.layers.Layer]
+    normalize: bool
+
+    def finish(self, x: tf.Tensor) -> tf.Tensor:
+        """The MLP, then the float32 (L2-normalised) output."""
+        for layer in self.mlp:
+            x = layer(x)
+        return tower_output(x, self.normalize)
+
+    def get_config(self) -> dict[str, object]:
+        # Rebuilt from model.json by TrainedModel.load, never from a Keras config.
+        return {"name": self.name}
+
+
+class QueryTower(_Tower):
+    """`q = normalize(MLP(U[u] + enc(H(u)) + sum_f A_f[a_f(u)]))`.
+
+    U is the (users + oov) x d user table; H(u) the user's last `history_length` items (index
+    PAD ignored; an empty history adds the zero vector); enc is `mean_{j in H(u)} V[j]`, or with
+    `encoder` "transformer" causal self-attention over the ordered H(u) read at the latest item
+    (`recsys.model.encoders`); V is the candidate tower's item table
+    when `item_embedding` is given (shared), else the tower's own table of `num_items` rows.
+    For each user side feature f (age bucket, gender, occupation, ...) a_f(u) is the user's
+    token, baked into the tower by user index like the candidate tower's item features (a user
+    without one, or an out-of-vocabulary user, adds nothing).
+    """
+
+    def __init__(
+        self,
+        num_users: int,
+        embedding_dim: int,
+        hidden_dims: Sequence[int] = (),
+        l2: float = 0.0,
+        history_length: int = 0,
+        item_embedding: tf.keras.layers.Embedding | None = None,
+        num_items: int = 0,
+        normalize: bool = True,
+        features: Baked | None = None,
+        encoder: EncoderSpec | None = None,
+        **kwargs: object,
+    ) -> None:
+        super().__init__(**kwargs)
+        self.history_length = history_length
+        self.normalize = normalize
+        # Attribute names are checkpoint keys: `embedding` as in the first (ids-only) towers.
+        self.embedding = embedding(num_users, embedding_dim, l2, "embedding")
+        self.shares_item_embedding = item_embedding is not None
+        self.history_embedding = None
+        if history_length:
+            self.history_embedding = item_embedding or embedding(
+                num_items, embedding_dim, l2, "history_embedding"
+            )
+        if history_length and encoder is not None and encoder.kind == "transformer":
+            # Only then: mean-pooling towers keep their checkpoint keys.
+            self.encoder = TransformerEncoder(
+                self.history_embedding,
+                history_length,
+                embedding_dim,
+                encoder.layers,
+                encoder.heads,
+                encoder.dropout,
+                name="encoder",
+            )
+        if features:  # only then: towers without user features keep their checkpoint keys
+            bake_features(self, features, embedding_dim, l2)
+        self.mlp = mlp(hidden_dims)
+
+    def call(self, inputs: dict[str, tf.Tensor], training: bool | None = None) -> tf.Tensor:
+        x = self.embedding(inputs[USER_INDEX])
+        if self.history_embedding is not None and HISTORY_INDEX in inputs:
+            history = inputs[HISTORY_INDEX]
+            encoder = getattr(self, "encoder", None)
+            if encoder is None:
+                x = x + masked_mean(self.history_embedding, history)
+            else:
+                x = x + tf.cast(encoder(history, training=training), x.dtype)
+        for name in getattr(self, "feature_names", ()):
+            ids = tf.gather(self.feature_ids[name], inputs[USER_INDEX])
+            x = x + masked_mean(self.feature_embeddings[name], ids)
+        return self.finish(x)
+
+
+class CandidateTower(_Tower):
+    """`c = normalize(MLP(V[i] + sum_f mean_{t in F_f(i)} W_f[t]))`.
+
+    V is the (items + oov) x d item table; for each item feature f (genres, title tokens) the
+    per-item token indices F_f are a constant [items + oov, width] table baked into the tower
+    (a non-trainable variable), so the whole catalog embeds from item indices alone. Called
+    with a dict instead, `{ITEM_INDEX: i, feature_index(f): F_f}` supplies the token indices
+    of some features (an item unknown to the catalog, or with new features); the others
+    still come from the table.
+    """
+
+    def __init__(
+        self,
+        num_items: int,
+        embedding_dim: int,
+        hidden_dims: Sequence[int] = (),
+        l2: float = 0.0,
+        features: Baked | None = None,
+        normalize: bool = True,
+        **kwargs: object,
+    ) -> None:
+        super().__init__(**kwargs)
+        self.normalize = normalize
+        self.embedding = embedding(num_items, embedding_dim, l2, "embedding")
+        bake_features(self, features, embedding_dim, l2)
+        self.mlp = mlp(hidden_dims)
+
+    def call(self, inputs: tf.Tensor | dict[str, tf.Tensor]) -> tf.Tensor:
+        given = inputs if isinstance(inputs, dict) else {ITEM_INDEX: inputs}
+        indices = given[ITEM_INDEX]
+        x = self.embedding(indices)
+        for name in self.feature_names:
+            ids = given.get(feature_index(name))
+            if ids is None:
+                ids = tf.gather(self.feature_ids[name], indices)
+            x = x + masked_mean(self.feature_embeddings[name], ids)
+        return self.finish(x)

@@ -1,0 +1,215 @@
+"""The transformer query encoder and the extra negatives, on tiny generated inputs."""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from conductor import stages
+from recsys.core.config import ModelConfig, RecsysConfig
+from recsys.core.layout import Workdir
+from recsys.losses import in_batch_softmax_loss
+from recsys.model import TrainedModel, TwoTowerModel, warm_start
+from recsys.model.defaults import DataShape, resolve
+from recsys.model.encoders import TransformerEncoder, right_align
+from recsys.model.negatives import sample_pool
+from serving_export.savedmodels import export_savedmodels
+from tests.conftest import SMALL_DATE
+
+USERS = [f"u{i}" for i in range(8)]
+ITEMS = [f"i{i}" for i in range(12)]
+LENGTH = 6
+TRANSFORMER = ModelConfig(
+    query_encoder="transformer",
+    history_length=LENGTH,
+    embedding_dim=16,
+    encoder_dropout=0.0,
+    item_features=False,
+)
+
+
+def _encoder(seed: int = 0) -> TransformerEncoder:
+    tf.keras.utils.set_random_seed(seed)
+    table = tf.keras.layers.Embedding(20, 16)
+    encoder = TransformerEncoder(table, LENGTH, 16, num_layers=2, num_heads=2, dropout=0.0)
+    encoder(tf.constant([[1, 2, -1, -1, -1, -1]], tf.int64))
+    return encoder
+
+
+def test_right_align_moves_items_to_the_end_in_order() -> None:
+    ids = tf.constant([[4, 5, -1, -1], [-1, -1, -1, -1], [1, 2, 3, 9]], tf.int64)
+    np.testing.assert_array_equal(
+        right_align(ids).numpy(), [[-1, -1, 4, 5], [-1, -1, -1, -1], [1, 2, 3, 9]]
+    )
+
+
+def test_future_items_do_not_change_earlier_outputs() -> None:
+    encoder = _encoder()
+    base = tf.constant([[-1, 3, 7, 2, 9, 4]], tf.int64)
+    changed = tf.constant([[-1, 3, 7, 11, 12, 13]], tf.int64)  # positions 3.. differ
+    a, b = encoder.sequence(base).numpy(), encoder.sequence(changed).numpy()
+    np.testing.assert_allclose(a[:, :3], b[:, :3], atol=1e-6)
+    assert np.abs(a[:, 3:] - b[:, 3:]).max() > 1e-3  # and later outputs do see them
+
+
+def test_latest_output_equals_the_last_position_of_the_sequence() -> None:
+    encoder = _encoder()
+    ids = tf.constant([[3, 7, 1, -1, -1, -1], [5, 4, 3, 2, 1, 9], [-1] * LENGTH], tf.int64)
+    full = encoder.sequence(right_align(ids)).numpy()[:, -1]
+    np.testing.assert_allclose(encoder(ids).numpy(), full, atol=1e-5)
+
+
+def test_padding_is_ignored_and_an_empty_history_encodes_to_zero() -> None:
+    encoder = _encoder()
+    ids = tf.constant([[3, 7, -1, -1, -1, -1], [-1] * LENGTH], tf.int64)
+    before = encoder(ids).numpy()
+    # PAD entries are looked up as row 0 and masked: changing row 0 must change nothing.
+    table = encoder.item_embedding.embeddings
+    table.assign(tf.tensor_scatter_nd_update(table, [[0]], tf.ones([1, 16]) * 5.0))
+    after = encoder(ids).numpy()
+    np.testing.assert_allclose(before, after, atol=1e-6)
+    np.testing.assert_array_equal(after[1], 0.0)
+    # The same two items padded to another position give the same vector (right-aligned).
+    shifted = tf.constant([[3, 7, -1, -1, -1, -1]], tf.int64)
+    np.testing.assert_allclose(encoder(shifted).numpy()[0], after[0], atol=1e-6)
+
+
+def _numpy_loss(q: np.ndarray, c: np.ndarray, ids: np.ndarray, log_q: np.ndarray, t: float):
+    """Softmax CE of each row's diagonal column, log_q subtracted, accidental hits removed."""
+    logits = q @ c.T / t - log_q[None, :]
+    total = 0.0
+    for i in range(len(q)):
+        keep = (ids != ids[i]) | (np.arange(len(ids)) == i)
+        row = logits[i][keep]
+        total += np.log(np.exp(row - row.max()).sum()) + row.max() - logits[i, i]
+    return total
+
+
+@pytest.mark.parametrize("sampler", ["uniform", "popularity"])
+def test_pooled_negatives_loss_equals_numpy(sampler: str) -> None:
+    tf.keras.utils.set_random_seed(3)
+    config = TRANSFORMER.model_copy(
+        update={"negatives": "mixed", "sampled_negatives": 9, "negative_sampler": sampler}
+    )
+    model = TrainedModel.build(USERS, ITEMS, config)
+    counts = np.arange(1, len(ITEMS) + 2, dtype=np.float64)  # OOV row first
+    log_p = np.log(counts / counts.sum()).astype(np.float32)
+    task = TwoTowerModel(model.query_tower, model.candidate_tower, config, log_p)
+    items = np.array([3, 5, 5, 8], np.int64)  # a duplicate positive: an accidental hit
+    cands, ids, log_q = task._add_pool(
+        model.candidate_tower(items), tf.constant(items), tf.constant(log_p[items]), False
+    )
+    ids = ids.numpy()
+    assert len(ids) == 4 + 9 and ids[4:].min() >= 1 and ids[4:].max() <= len(ITEMS)
+    r = np.full(len(ids), 1 / len(ITEMS)) if sampler == "uniform" else np.exp(log_p[ids])
+    expected_log_q = np.log(4 * np.exp(log_p[ids]) + 9 * r)
+    np.testing.assert_allclose(log_q.numpy(), expected_log_q, rtol=1e-5)
+    np.testing.assert_allclose(cands.numpy()[4:], model.candidate_tower(ids[4:]).numpy())
+    q = model.query_tower(
+        {
+            "user_index": tf.constant([1, 2, 3, 4], tf.int64),
+            "history_index": tf.constant([[1, 2, -1, -1, -1, -1]] * 4, tf.int64),
+        }
+    ).numpy()
+    loss = in_batch_softmax_loss(q, cands, 0.1, log_q, ids).numpy()
+    reference = _numpy_loss(q, cands.numpy(), ids, expected_log_q, 0.1)
+    assert loss == pytest.approx(reference, rel=1e-4)
+
+
+def test_popularity_pool_follows_the_item_distribution() -> None:
+    p = np.array([0.0, 0.1, 0.2, 0.7])
+    log_p = tf.constant(np.log(np.maximum(p, 1e-30)), tf.float32)
+    draws = sample_pool(20000, log_p, 1, "popularity").numpy()
+    share = np.bincount(draws, minlength=4)[1:] / len(draws)
+    np.testing.assert_allclose(share, p[1:], atol=0.015)
+    uniform = sample_pool(2000, log_p, 1, "uniform").numpy()
+    assert uniform.min() == 1 and uniform.max() == 3
+
+
+def test_full_catalog_loss_equals_numpy_cross_entropy() -> None:
+    tf.keras.utils.set_random_seed(4)
+    config = TRANSFORMER.model_copy(update={"negatives": "full"})
+    model = TrainedModel.build(USERS, ITEMS, config)
+    log_p = np.full(len(ITEMS) + 1, -np.log(len(ITEMS) + 1), np.float32)
+    task = TwoTowerModel(model.query_tower, model.candidate_tower, config, log_p)
+    features = {
+        "user_index": tf.constant([1, 2, 3], tf.int64),
+        "history_index": tf.constant([[4, 5, -1, -1, -1, -1]] * 3, tf.int64),
+        "item_index": tf.constant([2, 6, 6], tf.int64),
+        "item_log_prob": tf.constant(log_p[[2, 6, 6]]),
+    }
+    loss = task.compute_loss(features).numpy()
+    q = model.query_tower({k: features[k] for k in ("user_index", "history_index")}).numpy()
+    logits = q @ model.candidate_tower(tf.range(len(ITEMS) + 1, dtype=tf.int64)).numpy().T / 0.1
+    top = logits.max(axis=1)
+    lse = np.log(np.exp(logits - top[:, None]).sum(axis=1)) + top
+    assert loss == pytest.approx(float((lse - logits[[0, 1, 2], [2, 6, 6]]).sum()), rel=1e-5)
+
+
+def test_auto_negatives_resolve_by_catalog_size() -> None:
+    config = ModelConfig(negatives="auto")
+    small, reasons = resolve(config, DataShape(items=12_000, events_per_user=9.0))
+    assert small.negatives == "full" and "12000 items" in reasons[0]
+    large, _ = resolve(config, DataShape(items=5_000_000, events_per_user=9.0))
+    assert large.negatives == "mixed"
+    assert resolve(ModelConfig(), DataShape(items=10, events_per_user=1.0)) == (ModelConfig(), [])
+
+
+def test_warm_start_copies_the_encoder_and_maps_item_rows() -> None:
+    tf.keras.utils.set_random_seed(5)
+    old = TrainedModel.build(USERS, ITEMS, TRANSFORMER)
+    longer = TRANSFORMER.model_copy(update={"history_length": LENGTH + 2})
+    new = TrainedModel.build(USERS, ["new", *ITEMS[::-1]], longer)
+    copied = warm_start(new, old)
+    assert copied["items"] == len(ITEMS) and copied["encoder_positions"] == LENGTH
+    enc, old_enc = new.query_tower.encoder, old.query_tower.encoder
+    np.testing.assert_array_equal(enc.positions.numpy()[-LENGTH:], old_enc.positions.numpy())
+    for a, b in zip(enc.blocks[1].get_weights(), old_enc.blocks[1].get_weights(), strict=True):
+        np.testing.assert_array_equal(a, b)
+    # The same history of item ids gives the same vector (the positions it uses are mapped).
+    history = [["i3", "i7", "i1"]]
+    np.testing.assert_allclose(
+        new.user_embeddings(["u2"], history), old.user_embeddings(["u2"], history), atol=1e-5
+    )
+
+
+def test_saved_transformer_query_model_matches_in_memory_vectors(
+    prepared: tuple[RecsysConfig, Workdir, Path], tmp_path: Path
+) -> None:
+    config, workdir, data_dir = prepared
+    raw = config.model_dump(mode="json")
+    raw["model"].update(query_encoder="transformer", negatives="full", history_length=LENGTH)
+    raw["training"]["epochs"] = 1
+    run_dir, result = stages.train(
+        RecsysConfig.model_validate(raw), workdir, dt.date.fromisoformat(SMALL_DATE), data_dir
+    )
+    model = TrainedModel.load(run_dir / "model")
+    assert model.config.query_encoder == "transformer"
+    users = ["u1", "u2", "nobody", "u3"]
+    histories = [model.items[:2], [], model.items[:9], ["unknown", model.items[5]]]
+    expected = model.user_embeddings(users, histories)
+    np.testing.assert_allclose(expected, result.model.user_embeddings(users, histories), atol=1e-5)
+    export_savedmodels(model, tmp_path / "export", 1, top_k=5, warmup=False)
+    width = max(len(h) for h in histories)
+    padded = [h + [""] * (width - len(h)) for h in histories]
+    script = (
+        "import json, sys, tensorflow as tf\n"
+        f"f = tf.saved_model.load({str(tmp_path / 'export/query/1')!r})"
+        ".signatures['serving_default']\n"
+        f"out = f(user_id=tf.constant({users!r}), history=tf.constant({padded!r}))\n"
+        "print(json.dumps(out['embedding'].numpy().tolist()))\n"
+        "print(json.dumps(sorted(m for m in sys.modules if m.split('.')[0] == 'recsys')))\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, check=True, timeout=300
+    )
+    vectors, project = (json.loads(line) for line in done.stdout.strip().splitlines()[-2:])
+    assert project == []
+    np.testing.assert_allclose(np.array(vectors), expected, atol=1e-5)
