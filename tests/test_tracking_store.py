@@ -24,7 +24,8 @@ from recsys.tracking.runs import default_tracking_uri
 
 pytestmark = pytest.mark.slow
 
-# One process = one night's use of the store: connect, then one run and one registered version.
+# One process = one night's use of the store: connect, then one run and one registered version
+# (a rerun reuses them, as the nightly does).
 NIGHT = textwrap.dedent(
     """
     import sys
@@ -34,10 +35,15 @@ NIGHT = textwrap.dedent(
 
     work = Path(sys.argv[1])
     client = connect(parse_config({}), work)
-    experiment = client.create_experiment("night")
-    run = client.create_run(experiment)
-    client.create_registered_model("model")
-    client.create_model_version("model", source=str(work), run_id=run.info.run_id)
+    # Idempotent like the nightly (a kill may land after the store was made): reuse what exists.
+    found = client.get_experiment_by_name("night")
+    experiment = found.experiment_id if found else client.create_experiment("night")
+    runs = client.search_runs([experiment])
+    run = runs[0] if runs else client.create_run(experiment)
+    if not client.search_registered_models("name = 'model'"):
+        client.create_registered_model("model")
+    if not client.search_model_versions("name = 'model'"):
+        client.create_model_version("model", source=str(work), run_id=run.info.run_id)
     print("done")
     """
 )
