@@ -166,6 +166,8 @@ def train(
             "replicas": result.replicas,
             "precision": result.precision,
             "best_epoch": result.best_epoch,
+            "refit_epochs": result.refit_epochs,
+            "refit_seconds": result.refit_seconds,
             "config_digest": config.digest(),
             "data_fingerprint": _read_json(data_dir / DataFile.STATS).get("fingerprint"),
         },

@@ -127,3 +127,23 @@ def test_ours_is_scored_from_the_exported_parquet_files(tmp_path: Path) -> None:
     got = scores(np.arange(2))
     np.testing.assert_allclose(got[0], [1.0, -1.0, 0.5, 0.0, -np.inf])  # catalog order
     np.testing.assert_allclose(got[1, :4], 0.0)
+
+
+def test_implicit_als_reference_ranks_each_users_own_block_first() -> None:
+    # Two user groups with disjoint tastes (items 0-4, items 5-9): every user's ALS scores
+    # must favour their group's unseen items over the other group's.
+    from scipy import sparse
+
+    from benchmarks import quality
+
+    rng = np.random.default_rng(0)
+    x = np.zeros((40, 10), dtype=np.float32)
+    for u in range(40):
+        block = range(0, 5) if u < 20 else range(5, 10)
+        x[u, rng.choice(list(block), 3, replace=False)] = 1
+    users, items = quality.als_user_items(sparse.csr_matrix(x), 4, 0.1, 10.0, seed=0)
+    scores = quality._als_scores(users, items, np.arange(40))(np.arange(40))
+    first = np.arange(40) < 20
+    own = np.where(first, scores[:, :5].mean(1), scores[:, 5:].mean(1))
+    other = np.where(first, scores[:, 5:].mean(1), scores[:, :5].mean(1))
+    assert (own > other).all()

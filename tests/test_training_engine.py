@@ -21,7 +21,7 @@ import tensorflow as tf
 from conductor import stages
 from recsys.core.config import ModelConfig, RecsysConfig, parse_config
 from recsys.core.errors import ConfigError, OutOfMemoryError
-from recsys.core.layout import Workdir
+from recsys.core.layout import DataFile, Workdir
 from recsys.model import (
     HISTORY_INDEX,
     PAD,
@@ -292,6 +292,34 @@ def test_early_stopping_keeps_the_best_epoch(
     assert result.best_epoch == 2
     kept = result.model.candidate_tower.embedding.embeddings.numpy()
     np.testing.assert_array_equal(kept, snapshots[1])
+
+
+def test_refit_trains_the_chosen_epochs_on_train_and_validation(
+    prepared: tuple[RecsysConfig, Workdir, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Early stopping keeps epoch 2 of 4; the refit then runs 2 epochs over both splits."""
+    config, _, data_dir = prepared
+    scores = iter([0.1, 0.3, 0.2, 0.2])
+    snapshots: list[np.ndarray] = []
+
+    def scripted(self: trainer.ValidationRecall) -> float:
+        snapshots.append(self.trained.candidate_tower.embedding.embeddings.numpy().copy())
+        return next(scores)
+
+    monkeypatch.setattr(trainer.ValidationRecall, "score", scripted)
+    epochs_logged: list[int] = []
+    monkeypatch.setattr(
+        trainer.EpochLogger, "on_epoch_end", lambda self, epoch, logs=None: epochs_logged.append(1)
+    )
+    cfg = with_updates(config, training={"epochs": 6, "early_stopping_patience": 2, "refit": True})
+    result = trainer.train(cfg, data_dir)
+    splits = json.loads((data_dir / DataFile.STATS).read_text())["splits"]
+    assert result.best_epoch == 2 and result.refit_epochs == 2
+    assert len(epochs_logged) == 4 + 2  # the first fit's 4 epochs, then the refit's 2
+    assert result.refit_examples == 2 * (splits["train"] + splits["validation"])
+    assert result.history["val_recall_at_50"] == [0.1, 0.3, 0.2, 0.2]  # the first fit's
+    refit = result.model.candidate_tower.embedding.embeddings.numpy()
+    assert not np.allclose(refit, snapshots[1])  # a new model, not the kept first fit
 
 
 class Killed(Exception):

@@ -347,6 +347,12 @@ class TrainingConfig(_Strict):
     checkpoint_every_steps: int = Field(0, ge=0, le=MAX_ROWS)
     # Early stopping on exact validation metrics (0: off); the best epoch's weights are kept.
     early_stopping_patience: int = Field(0, ge=0, le=MAX_COUNT)
+    # After the first fit chose its epoch count on the validation split, train a fresh model
+    # (same seed) that many epochs on the train and validation splits together and keep it:
+    # each user's newest training-time interaction then reaches the model, which matters most
+    # on sparse logs. The test split stays held out, so evaluation and the gate stay honest;
+    # training costs about twice as much (docs/TRAINING.md, "Refit").
+    refit: bool = False
     early_stopping_metric: str = Field("recall_at_50", pattern=r"^(recall|ndcg|mrr)_at_\d+$")
     # A previous run's model dir (e.g. the champion's): initialise from its weights, rows
     # mapped by id when the vocabularies changed.
@@ -465,6 +471,10 @@ DEFAULT_TUNE_SPACE: dict[str, dict[str, Any]] = {
     "model.embedding_dim": {"choices": [32, 64, 128]},
     "model.temperature": {"low": 0.03, "high": 0.3, "log": True},
     "model.history_length": {"choices": [10, 20, 50]},
+    # The sequence encoder's capacity and regularisation: sparse logs (a few events per user)
+    # want more dropout than dense ones (SASRec: .5 vs .2).
+    "model.encoder_layers": {"choices": [1, 2, 3]},
+    "model.encoder_dropout": {"low": 0.1, "high": 0.6},
     "training.learning_rate": {"low": 0.001, "high": 0.03, "log": True},
     "training.batch_size": {"choices": [256, 512, 1024, 2048]},
 }

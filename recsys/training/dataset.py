@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
@@ -32,7 +33,7 @@ def item_log_probabilities(data_dir: Path, model: TrainedModel) -> np.ndarray:
 
 def training_dataset(
     data_dir: Path,
-    split: str,
+    split: str | Sequence[str],
     model: TrainedModel,
     batch_size: int,
     shuffle_buffer: int | None = None,
@@ -61,14 +62,14 @@ def training_dataset(
             out[HISTORY_INDEX] = history_indices(batch[schema.HISTORY], item_lookup, length)
         return out
 
-    files = split_files(data_dir, split)
+    files = [f for name in split_names(split) for f in split_files(data_dir, name)]
     ds = read_examples(files, batch_size, shuffle_buffer, seed, deterministic, drop_remainder)
     return ds.map(to_indices, num_parallel_calls=tf.data.AUTOTUNE).prefetch(tf.data.AUTOTUNE)
 
 
 def in_memory_dataset(
     data_dir: Path,
-    split: str,
+    split: str | Sequence[str],
     model: TrainedModel,
     batch_size: int,
     shuffle: bool = False,
@@ -119,7 +120,14 @@ def _permuted_batches(
     return ds.map(lambda rows: rows[: tf.math.count_nonzero(rows >= 0)])  # -1s only at the end
 
 
-def load_indices(data_dir: Path, split: str, model: TrainedModel) -> dict[str, np.ndarray]:
+def split_names(split: str | Sequence[str]) -> list[str]:
+    """One split's name, or several splits read as one (a refit's train + validation)."""
+    return [split] if isinstance(split, str) else list(split)
+
+
+def load_indices(
+    data_dir: Path, split: str | Sequence[str], model: TrainedModel
+) -> dict[str, np.ndarray]:
     """A whole split as model inputs {user_index, item_index, item_log_prob[, history_index]}."""
     parts: dict[str, list[np.ndarray]] = {}
     for batch in training_dataset(data_dir, split, model, 65536):

@@ -6,14 +6,18 @@ Device layout, precision, checkpoints and early stopping are chosen here from
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import json
 import logging
 import os
 import shutil
 import tempfile
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import tensorflow as tf
@@ -71,6 +75,11 @@ class TrainResult:
     chief: bool = True
     jit_compile: bool = False
     cached: bool = False
+    # training.refit: the kept model is a second fit on train + validation for this many
+    # epochs (the first fit's `best_epoch`, or all it ran); history and examples are the first's.
+    refit_epochs: int | None = None
+    refit_examples: int = 0
+    refit_seconds: float = 0.0
 
     @property
     def examples_per_second(self) -> float:
@@ -500,7 +509,7 @@ def train(
     callbacks += extra
     cap = tc.max_steps_per_epoch or None
     start = time.perf_counter()
-    try:
+    with _fit_errors(tc, replicas, backup_dir):
         history = model.fit(
             train_ds,
             epochs=tc.epochs,
@@ -513,6 +522,38 @@ def train(
             callbacks=callbacks,
             verbose=0,
         )
+    seconds = time.perf_counter() - start
+    epochs_run = len(history.history.get("loss", [])) or tc.epochs
+    # Only when early stopping kept that epoch's weights (otherwise the last epoch's are).
+    best_epoch = (
+        None
+        if validator is None or validator.best_epoch is None or not validator.patience
+        else validator.best_epoch + 1
+    )
+    result = TrainResult(
+        model=trained,
+        history={k: [float(v) for v in vs] for k, vs in history.history.items()},
+        examples=_examples_per_epoch(stats["splits"]["train"], tc) * epochs_run,
+        seconds=seconds,
+        strategy=_strategy_name(strategy),
+        replicas=replicas,
+        precision=precision,
+        best_epoch=best_epoch,
+        epoch_seconds=timer.seconds,
+        chief=chief,
+        jit_compile=jit,
+        cached=cached,
+    )
+    if tc.refit and stats["splits"]["validation"]:
+        result = _refit(config, data_dir, strategy, result, stats, previous)
+    return result
+
+
+@contextlib.contextmanager
+def _fit_errors(tc: TrainingConfig, replicas: int, backup_dir: Path | None) -> Iterator[None]:
+    """TensorFlow's out-of-memory and full-disk errors as the project's actionable errors."""
+    try:
+        yield
     except tf.errors.ResourceExhaustedError as exc:
         # TensorFlow reports a full disk (a checkpoint write) with the same error type.
         if storage_errno(exc) is not None:
@@ -527,24 +568,51 @@ def train(
             f"{replicas} replica(s): lower training.batch_size (e.g. {max(tc.batch_size // 2, 1)})"
             f" or model.embedding_dim; {str(exc).splitlines()[0][:200]}"
         ) from None
-    seconds = time.perf_counter() - start
-    epochs_run = len(history.history.get("loss", [])) or tc.epochs
-    return TrainResult(
+
+
+REFIT_SPLITS = ("train", "validation")
+
+
+def _refit(
+    config: RecsysConfig,
+    data_dir: Path,
+    strategy: tf.distribute.Strategy,
+    first: TrainResult,
+    stats: dict[str, Any],
+    previous: TrainedModel | None,
+) -> TrainResult:
+    """A fresh model trained on train + validation for the epochs the first fit chose."""
+    tc = config.training
+    epochs = first.best_epoch or len(first.epoch_seconds) or tc.epochs
+    log.info("refit: %d epoch(s) on the train and validation splits together", epochs)
+    tf.keras.utils.set_random_seed(tc.seed)
+    with strategy.scope():
+        trained, model = build_model(config, data_dir, first.precision, first.jit_compile)
+        if previous is not None:
+            warm_start(trained, previous)
+    counts = {"train": stats["splits"]["train"] + stats["splits"]["validation"]}
+    cached = use_cache(tc.cache, counts, trained, strategy)
+    train_ds, _ = _datasets(
+        config, data_dir, trained, strategy, counts, cached, train_splits=REFIT_SPLITS
+    )
+    timer = EpochTimer()
+    start = time.perf_counter()
+    with _fit_errors(tc, first.replicas, None):
+        model.fit(
+            train_ds,
+            epochs=epochs,
+            steps_per_epoch=_steps(counts["train"], tc.batch_size, False)
+            if is_parameter_server(strategy)
+            else _capped(tc.max_steps_per_epoch or None, train_ds),
+            callbacks=[timer, EpochLogger(epochs)],
+            verbose=0,
+        )
+    return dataclasses.replace(
+        first,
         model=trained,
-        history={k: [float(v) for v in vs] for k, vs in history.history.items()},
-        examples=_examples_per_epoch(stats["splits"]["train"], tc) * epochs_run,
-        seconds=seconds,
-        strategy=_strategy_name(strategy),
-        replicas=replicas,
-        precision=precision,
-        # Only when early stopping kept that epoch's weights (otherwise the last epoch's are).
-        best_epoch=None
-        if validator is None or validator.best_epoch is None or not validator.patience
-        else validator.best_epoch + 1,
-        epoch_seconds=timer.seconds,
-        chief=chief,
-        jit_compile=jit,
-        cached=cached,
+        refit_epochs=epochs,
+        refit_examples=_examples_per_epoch(counts["train"], tc) * epochs,
+        refit_seconds=time.perf_counter() - start,
     )
 
 
@@ -583,15 +651,25 @@ def _datasets(
     strategy: tf.distribute.Strategy,
     counts: dict[str, int],
     cached: bool = False,
+    train_splits: tuple[str, ...] = ("train",),
 ) -> tuple[tf.data.Dataset, tf.data.Dataset | None]:
-    """Train and validation (None when empty) batches with a known number of steps."""
+    """Train and validation (None when empty) batches with a known number of steps.
+
+    `train_splits` are read as one training set (a refit's train + validation); `counts`
+    then holds their total under "train".
+    """
     tc = config.training
     if is_parameter_server(strategy):
         # Each worker streams its own shuffled copy; validation runs on the coordinator
         # (exact recall, ValidationRecall), not as a Keras validation pass.
         return per_worker_dataset(
             lambda: training_dataset(
-                data_dir, "train", trained, tc.batch_size, tc.shuffle_buffer, deterministic=False
+                data_dir,
+                train_splits,
+                trained,
+                tc.batch_size,
+                tc.shuffle_buffer,
+                deterministic=False,
             )
         ), None
     # Several replicas: equal per-replica batches, so every all_gather has the same shape.
@@ -603,12 +681,12 @@ def _datasets(
         )
     if cached:
         train = in_memory_dataset(
-            data_dir, "train", trained, tc.batch_size, True, tc.seed, drop_remainder=drop
+            data_dir, train_splits, trained, tc.batch_size, True, tc.seed, drop_remainder=drop
         )
     else:
         train = training_dataset(
             data_dir,
-            "train",
+            train_splits,
             trained,
             tc.batch_size,
             tc.shuffle_buffer,
@@ -621,7 +699,7 @@ def _datasets(
         tf.data.experimental.assert_cardinality(_steps(counts["train"], tc.batch_size, drop))
     )
     val = None
-    if _steps(counts["validation"], tc.batch_size, drop):
+    if counts.get("validation") and _steps(counts["validation"], tc.batch_size, drop):
         read = in_memory_dataset if cached else training_dataset
         val = read(data_dir, "validation", trained, tc.batch_size, drop_remainder=drop)
         val = val.apply(
