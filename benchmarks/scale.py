@@ -93,6 +93,9 @@ class TreeMonitor:
         self.stage: str | None = None
         self.peak: dict[str, int] = {}
         self.written: dict[str, int] = {}
+        # The machine is shared: the 1-minute load average's range while each stage ran says
+        # whether a figure measured the stage or the neighbours.
+        self.load: dict[str, tuple[float, float]] = {}
         self._last_written = 0
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
@@ -125,6 +128,9 @@ class TreeMonitor:
         # Children that exit take their counts with them: only increases are attributed.
         self.written[stage] = self.written.get(stage, 0) + max(written - self._last_written, 0)
         self._last_written = written
+        now = os.getloadavg()[0]
+        low, high = self.load.get(stage, (now, now))
+        self.load[stage] = (min(low, now), max(high, now))
 
 
 def _tree(root: int) -> list[int]:
@@ -233,6 +239,7 @@ def run_nightly(config_path: Path, workdir: Path, log_path: Path) -> dict[str, A
         "stage_seconds": seconds,
         "peak_rss": monitor.peak,
         "written": monitor.written,
+        "load": monitor.load,
     }
 
 
@@ -266,8 +273,23 @@ def stage_throughput(workdir: Path) -> dict[str, dict[str, float]]:
             ],
             "popularity_recall_at_10": round(metrics["baselines"]["popularity"]["recall_at_10"], 4),
         },
-        "export": {"users": users, "items": items},
+        "export": {
+            "users": users,
+            "items": items,
+            **_export_steps(run),
+        },
     }
+
+
+def _export_steps(run: Path) -> dict[str, Any]:
+    """The export stage's seconds per step (SavedModels, verify, activity, embeddings)."""
+    steps = json.loads((run / "export.json").read_text()).get("seconds", {})
+    out: dict[str, Any] = {"step_seconds": steps}
+    per_user = steps.get("activity", 0) + steps.get("embeddings", 0)
+    if per_user:
+        # The steps whose cost grows with the data (the rest is per model, any size).
+        out["data_steps_seconds"] = round(per_user, 1)
+    return out
 
 
 def _json_default(value: Any) -> Any:
@@ -290,12 +312,17 @@ def run_size(rows: int, args: argparse.Namespace) -> dict[str, Any]:
             "seconds": wall,
             "peak_rss_mib": round(nightly["peak_rss"].get(stage, 0) / 2**20),
             "written_mib": round(nightly["written"].get(stage, 0) / 2**20),
+            "load_average_1min": [round(x, 2) for x in nightly["load"].get(stage, ())],
             **rates.get(stage, {}),
         }
         if stage == "evaluate" and wall:
             entry["users_per_second"] = round(entry["test_users"] / wall)
         if stage == "export" and wall:
             entry["embeddings_per_second"] = round((entry["users"] + entry["items"]) / wall)
+            if entry.get("data_steps_seconds"):
+                entry["embeddings_per_data_second"] = round(
+                    (entry["users"] + entry["items"]) / entry["data_steps_seconds"]
+                )
         stages[stage] = entry
     return {
         "target_rows": rows,
@@ -345,21 +372,26 @@ def plot(results: list[dict[str, Any]], path: Path) -> None:
 def markdown(results: list[dict[str, Any]]) -> str:
     """Per size and stage: seconds, throughput, peak RSS, MiB written."""
     lines = [
-        "| rows | stage | seconds | throughput | peak RSS MiB | written MiB |",
-        "|---:|---|---:|---|---:|---:|",
+        "| rows | stage | seconds | throughput | peak RSS MiB | written MiB | load (1 min) |",
+        "|---:|---|---:|---|---:|---:|---|",
     ]
     for r in sorted(results, key=lambda r: r["generate"]["rows"]):
         g = r["generate"]
         lines.append(
             f"| {g['rows']:,} | generate | {g['seconds']} | {g['rows_per_second']:,} rows/s | "
-            f"{g['peak_rss_mib']:,} | {g['bytes'] // 2**20:,} |"
+            f"{g['peak_rss_mib']:,} | {g['bytes'] // 2**20:,} | |"
         )
         for stage, e in r["stages"].items():
             lines.append(
                 f"| | {stage} | {e['seconds']} | {_rate(stage, e)} | {e['peak_rss_mib']:,} | "
-                f"{e['written_mib']:,} |"
+                f"{e['written_mib']:,} | {_load(e)} |"
             )
     return "\n".join(lines)
+
+
+def _load(e: dict[str, Any]) -> str:
+    low_high = e.get("load_average_1min") or []
+    return "-".join(f"{x:.1f}" for x in low_high)
 
 
 def _rate(stage: str, e: dict[str, Any]) -> str:
@@ -370,7 +402,13 @@ def _rate(stage: str, e: dict[str, Any]) -> str:
     if stage == "evaluate":
         return f"{e['users_per_second']:,} users/s ({e['test_users']:,} x {e['catalog']:,} items)"
     if stage == "export":
-        return f"{e['embeddings_per_second']:,} embeddings/s ({e['users']:,} users)"
+        text = f"{e['embeddings_per_second']:,} embeddings/s ({e['users']:,} users)"
+        if e.get("data_steps_seconds"):
+            text += (
+                f"; activity + embeddings {e['data_steps_seconds']} s = "
+                f"{e['embeddings_per_data_second']:,}/s"
+            )
+        return text
     return ""
 
 

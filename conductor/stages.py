@@ -14,6 +14,7 @@ import logging
 import os
 import shutil
 import tempfile
+import time
 import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -268,6 +269,17 @@ def export(
     version = _reserve_version(run_dir, workdir)
     log.info("export: %s as version %d", run_dir.name, version)
     report: dict[str, Any] = {}
+    # Where the stage's time goes (export.json, the log): the SavedModels and their
+    # verification cost the same at any size, the embeddings grow with users and rows.
+    seconds: dict[str, float] = {}
+    clock = time.perf_counter()
+
+    def lap(step: str) -> None:
+        nonlocal clock
+        now = time.perf_counter()
+        seconds[step] = round(now - clock, 1)
+        clock = now
+
     # Verify in a staging root, then publish by rename: TF Serving never sees an unverified
     # version. All three models are verified before any is published.
     staging = workdir.root / "export" / f".staging-{version}-{uuid.uuid4().hex[:8]}"
@@ -276,21 +288,25 @@ def export(
             model, staging, version, config.export.top_k, warmup=config.export.warmup
         )
         fault_point("export:staged", staging)
+        lap("savedmodels")
         if config.export.verify if verify is None else verify:
             report = verify_export(
                 model, staged, config.export.tolerance, max_k=config.export.top_k
             )
             log.info("export verified in a fresh process: %s", _brief(report))
+            lap("verify")
         # Embeddings, their manifest and the optional ANN index are staged as well: none of
         # this version becomes visible unless all of it was written and verified.
         activity = read_activity(
             run_data_dir(run_dir), model.users, model.items, model.config.history_length
         )
+        lap("activity")
         emb_dir = staging / "embeddings" / str(version)
         staged_embeddings = stage_embeddings(
             model, emb_dir, version, staged, config.export, activity
         )
         publish_dir(emb_dir, workdir.embeddings(version))
+        lap("embeddings")
         models = {}
         for name, path in staged.items():
             models[name] = workdir.export(name) / str(version)
@@ -320,8 +336,10 @@ def export(
             "ann": staged_embeddings["ann"],
             "serving": serving,
             "verification": report,
+            "seconds": seconds,
         },
     )
+    log.info("export: seconds per step %s", seconds)
     if config.export.verify if verify is None else verify:
         check_serving(workdir.root)  # what TF Serving loads, not only what was just staged
     return ExportResult(version, models, embeddings, report)

@@ -7,7 +7,7 @@ The one model-input transform both the training input and the serving signatures
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 
 import numpy as np
@@ -86,13 +86,25 @@ def load_split(
     `columns`: the features to parse and keep; at millions of rows the ragged history
     column (one Python list per example) dominates memory, and most readers need only ids.
     """
+    return concat_batches(iter_split(data_dir, split, columns, batch_size), columns)
+
+
+def concat_batches(
+    batches: Iterable[dict[str, np.ndarray]], columns: Sequence[str]
+) -> dict[str, np.ndarray]:
+    """Batches of `iter_split` (or a selection of their rows) as one array per column."""
     parts: dict[str, list[np.ndarray]] = {name: [] for name in columns}
-    for batch in iter_split(data_dir, split, columns, batch_size):
+    for batch in batches:
         for name in parts:
             parts[name].append(batch[name])
     return {
         name: np.concatenate(chunks) if chunks else np.array([]) for name, chunks in parts.items()
     }
+
+
+def count_rows(data_dir: Path, split: str) -> int:
+    """Examples in a split, read in one pass that parses only the user ids."""
+    return sum(len(b[schema.USER_ID]) for b in iter_split(data_dir, split, (schema.USER_ID,)))
 
 
 def iter_split(

@@ -16,7 +16,7 @@ maxima); no sort or partition of whole catalog rows (see `recsys.topk.top_k_colu
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -73,14 +73,14 @@ def build_eval_set(
     """
     items = pa.array(catalog, pa.string())
     users = _str(eval_rows[schema.USER_ID])
-    targets = _positions(eval_rows[schema.ITEM_ID], items)
+    targets = id_positions(eval_rows[schema.ITEM_ID], items)
     distinct = pc.unique(pa.array(users, pa.string()))
-    user_row = _positions(users, distinct)
+    user_row = id_positions(users, distinct)
     num_items = max(len(catalog), 1)
     keys = []
     for rows in known_rows:
-        row = _positions(rows[schema.USER_ID], distinct)
-        item = _positions(rows[schema.ITEM_ID], items)
+        row = id_positions(rows[schema.USER_ID], distinct)
+        item = id_positions(rows[schema.ITEM_ID], items)
         keep = (row >= 0) & (item >= 0)
         keys.append(np.unique(row[keep] * num_items + item[keep]))
     known = np.unique(np.concatenate(keys)) if keys else np.zeros(0, np.int64)
@@ -95,18 +95,44 @@ def build_eval_set(
 def sample_rows(rows: dict[str, np.ndarray], size: int, seed: int) -> dict[str, np.ndarray]:
     """A uniform sample (without replacement, file order kept) of `size` evaluation rows;
     all of them when `size` is 0 or not smaller."""
-    total = len(rows[schema.USER_ID])
-    if not size or size >= total:
+    chosen = sample_indices(len(rows[schema.USER_ID]), size, seed)
+    if chosen is None:
         return rows
-    chosen = np.sort(np.random.default_rng(seed).choice(total, size, replace=False))
     return {name: values[chosen] for name, values in rows.items()}
 
 
-def _positions(values: Sequence[object] | np.ndarray, value_set: pa.Array) -> np.ndarray:
+def sample_indices(total: int, size: int, seed: int) -> np.ndarray | None:
+    """Sorted row numbers of `sample_rows`' sample of `total` rows; None: every row."""
+    if not size or size >= total:
+        return None
+    return np.sort(np.random.default_rng(seed).choice(total, size, replace=False))
+
+
+def sampled_batches(
+    batches: Iterable[dict[str, np.ndarray]], chosen: np.ndarray | None
+) -> Iterator[dict[str, np.ndarray]]:
+    """The rows numbered `chosen` (sorted, over the whole stream) of a stream of row batches
+    (`data_io.iter_split`), batch by batch: only the sample is ever kept. None: every row."""
+    offset = 0
+    for batch in batches:
+        size = len(batch[schema.USER_ID])
+        if chosen is None:
+            yield batch
+        else:
+            lo, hi = np.searchsorted(chosen, [offset, offset + size])
+            if hi > lo:
+                rows = chosen[lo:hi] - offset
+                yield {name: values[rows] for name, values in batch.items()}
+        offset += size
+
+
+def id_positions(
+    values: Sequence[object] | np.ndarray | pa.Array, value_set: pa.Array
+) -> np.ndarray:
     """Index of each id (bytes or str) in `value_set`; -1 when absent (one hash pass)."""
     if not len(values):
         return np.zeros(0, np.int64)
-    ids = pa.array(values)
+    ids = values if isinstance(values, pa.Array) else pa.array(values)
     if not pa.types.is_string(ids.type):
         ids = ids.cast(pa.string())
     found = pc.index_in(ids, value_set=value_set)

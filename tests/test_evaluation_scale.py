@@ -89,3 +89,17 @@ def test_sample_rows_is_seeded_uniform_and_keeps_order() -> None:
     assert ids == sorted(ids) and len(set(ids)) == 100
     assert ev.sample_rows(rows, 100, seed=3)["user_id"].tolist() == sample["user_id"].tolist()
     assert ev.sample_rows(rows, 0, seed=3) is rows
+
+
+def test_sampled_batches_keep_the_sample_rows_of_the_whole_stream() -> None:
+    rows = _rows(np.arange(1000), np.arange(1000))
+    batches = [{k: v[s : s + 64] for k, v in rows.items()} for s in range(0, 1000, 64)]
+    chosen = ev.sample_indices(1000, 10, seed=3)
+    streamed = list(ev.sampled_batches(batches, chosen))
+    assert len(streamed) < len(batches)  # batches without a sampled row are skipped
+    whole = ev.sample_rows(rows, 10, seed=3)
+    for name in rows:
+        got = np.concatenate([b[name] for b in streamed])
+        assert got.tolist() == whole[name].tolist()
+    assert ev.sample_indices(1000, 0, seed=3) is None
+    assert list(ev.sampled_batches(batches, None)) == batches

@@ -112,6 +112,39 @@ def test_users_parquet_uses_the_latest_histories(
     np.testing.assert_allclose(users.vectors, expected, atol=1e-6)
 
 
+@pytest.mark.parametrize("sample", [0, 50])
+def test_streamed_test_split_evaluates_as_the_whole_split(
+    trained: tuple[RecsysConfig, Workdir, Path], sample: int
+) -> None:
+    """evaluate_model streams the test split (the sample only, or vectors per batch): the
+    metrics equal the former whole-split-in-memory computation's."""
+    import itertools
+
+    from recsys import evaluation as ev
+    from recsys.core import schema
+    from recsys.data_io import iter_split, load_split
+    from recsys.model import TrainedModel
+    from recsys.model_evaluation import evaluate_model
+
+    config, _, run_dir = trained
+    evaluation = config.evaluation.model_copy(update={"sample_users": sample})
+    config = config.model_copy(update={"evaluation": evaluation})
+    data_dir = stages.run_data_dir(run_dir)
+    model = TrainedModel.load(run_dir / "model")
+    test = ev.sample_rows(load_split(data_dir, "test"), sample, config.evaluation.sample_seed)
+    ids = (schema.USER_ID, schema.ITEM_ID)
+    known = itertools.chain(*(iter_split(data_dir, s, ids) for s in ("train", "validation")))
+    eval_set = ev.build_eval_set(model.items, test, known)
+    vectors = model.user_embeddings(eval_set.users, list(test[schema.HISTORY]))
+    expected = ev.evaluate(
+        ev.dot_product_scores(vectors, model.item_embeddings()), eval_set, config.evaluation
+    )
+    got_set, got = evaluate_model(config, run_dir / "model", data_dir)
+    assert got_set.users == eval_set.users
+    assert got.metrics == expected.metrics
+    assert (got_set.population is not None) == bool(sample)
+
+
 def test_exception_after_the_first_model_is_staged_publishes_nothing(
     exported: stages.ExportResult,
     trained: tuple[RecsysConfig, Workdir, Path],

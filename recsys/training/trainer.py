@@ -27,7 +27,7 @@ from recsys.core import schema
 from recsys.core.config import EvaluationConfig, ModelConfig, RecsysConfig, TrainingConfig
 from recsys.core.errors import ConfigError, OutOfMemoryError, StorageError, storage_errno
 from recsys.core.layout import DataFile
-from recsys.data_io import iter_split, load_split
+from recsys.data_io import concat_batches, count_rows, iter_split
 from recsys.model import (
     ItemFeatures,
     TrainedModel,
@@ -429,13 +429,15 @@ def validation_callback(
     chief: bool = True,
 ) -> ValidationRecall | None:
     """Exact validation metrics (and early stopping), or None without a validation split."""
-    validation = load_split(data_dir, "validation")
-    if not len(validation[schema.USER_ID]):
-        return None
     # The same user sample as the test evaluation: exact ranking of every validation user
-    # over the catalog each epoch is the cost that sampling bounds.
-    validation = ev.sample_rows(
-        validation, config.evaluation.sample_users, config.evaluation.sample_seed
+    # over the catalog each epoch is the cost that sampling bounds. The split streams, so
+    # only the sampled rows' histories are ever held (not every row's, then a sample).
+    total = count_rows(data_dir, "validation")
+    if not total:
+        return None
+    chosen = ev.sample_indices(total, config.evaluation.sample_users, config.evaluation.sample_seed)
+    validation = concat_batches(
+        ev.sampled_batches(iter_split(data_dir, "validation"), chosen), schema.FEATURE_NAMES
     )
     ids = (schema.USER_ID, schema.ITEM_ID)
     eval_set = ev.build_eval_set(trained.items, validation, iter_split(data_dir, "train", ids))
