@@ -28,7 +28,23 @@ from recsys.evaluation import id_positions
 TIMESTAMP_TYPE = pa.timestamp("ms", tz="UTC")
 
 _READ_BATCH = 1 << 18
-"""Rows per read batch: large enough that the per-batch vocabulary hash is cheap overall."""
+"""Rows per read batch."""
+
+
+class _Positions:
+    """Id -> position in a vocabulary, hashed once (a per-batch `pc.index_in` rebuilt the
+    whole vocabulary's hash table for every batch: rows x users work at 1M users)."""
+
+    def __init__(self, ids: Sequence[str]) -> None:
+        self._index: dict[bytes, int] = {}
+        for position, value in enumerate(ids):
+            self._index.setdefault(value.encode("utf-8"), position)  # first copy wins
+
+    def __call__(self, values: np.ndarray) -> np.ndarray:
+        """Each id's position (bytes as TFRecords hold them, or str); -1 when absent."""
+        get = self._index.get
+        found = (get(v if isinstance(v, bytes) else v.encode("utf-8"), -1) for v in values)
+        return np.fromiter(found, np.int64, count=len(values))
 
 
 @dataclass
@@ -61,7 +77,7 @@ def read_activity(
     from the data get 0 and a null time.
     """
     user_set, item_set = pa.array(list(users), pa.string()), pa.array(list(items), pa.string())
-    rows = _read_rows(data_dir, user_set, item_set)
+    rows = _read_rows(data_dir, users, item_set)
     # A vocabulary listing an id twice gives every copy the first copy's values (as a dict did).
     user_first = id_positions(user_set, user_set)
     item_first = id_positions(item_set, item_set)
@@ -90,17 +106,18 @@ def read_activity(
     )
 
 
-def _read_rows(data_dir: Path, user_set: pa.Array, item_set: pa.Array) -> _Rows:
+def _read_rows(data_dir: Path, user_ids: Sequence[str], item_set: pa.Array) -> _Rows:
     """One streamed pass over the splits, ids mapped to positions batch by batch."""
     vocab: list[str] = item_set.to_pylist()
+    user_position, item_position = _Positions(user_ids), _Positions(vocab)
     extra: dict[bytes, int] = {}  # item ids of the data missing from `items`, by first sight
     users, items, stamps = [], [], []
     train_counts = np.zeros(len(item_set), np.int64)
     columns = (schema.USER_ID, schema.ITEM_ID, schema.TIMESTAMP)
     for split in schema.SPLITS:
         for batch in iter_split(data_dir, split, columns, _READ_BATCH):
-            user = id_positions(batch[schema.USER_ID], user_set).astype(np.int32)
-            item = id_positions(batch[schema.ITEM_ID], item_set)
+            user = user_position(batch[schema.USER_ID]).astype(np.int32)
+            item = item_position(batch[schema.ITEM_ID])
             missing = np.flatnonzero(item < 0)
             if len(missing):
                 # Histories keep every item id, in the vocabulary or not (rare: items first
