@@ -49,14 +49,18 @@ def parse_size(text: str) -> int:
     return int(float(text[:-1]) * scale[text[-1]]) if text[-1] in scale else int(text)
 
 
-def synthetic_config(rows: int) -> dict[str, Any]:
-    """The generator settings for a log of about `rows` interactions."""
-    users = max(rows // ROWS_PER_USER, 100)
+def synthetic_config(rows: int, vocab_rows: int | None = None) -> dict[str, Any]:
+    """The generator settings for a log of about `rows` interactions.
+
+    `vocab_rows`: users and items as for a log of that many rows, so a larger log has more
+    events per user instead of more users and items (rows grow, the vocabulary does not).
+    """
+    users = max((vocab_rows or rows) // ROWS_PER_USER, 100)
     return {
         "shape": "sessions",
         "num_users": users,
         "num_items": max(users // 5, 20),
-        "mean_interactions_per_user": ROWS_PER_USER,
+        "mean_interactions_per_user": max(rows // users, 1),
         "start_date": "2026-01-01",
         "days": 14,
     }
@@ -171,7 +175,7 @@ def _io(pid: int, key: str) -> int:
     return 0
 
 
-def generate(rows: int, raw: Path) -> dict[str, Any]:
+def generate(rows: int, raw: Path, vocab_rows: int | None = None) -> dict[str, Any]:
     """Write the log and its item file in a child process; wall time and peak RSS."""
     raw.mkdir(parents=True, exist_ok=True)
     code = (
@@ -184,7 +188,7 @@ def generate(rows: int, raw: Path) -> dict[str, Any]:
     log = raw / "log.csv"
     start = time.perf_counter()
     out = subprocess.run(
-        [sys.executable, "-c", code, json.dumps(synthetic_config(rows)), str(log)],
+        [sys.executable, "-c", code, json.dumps(synthetic_config(rows, vocab_rows)), str(log)],
         check=True,
         capture_output=True,
         text=True,
@@ -299,7 +303,7 @@ def _json_default(value: Any) -> Any:
 def run_size(rows: int, args: argparse.Namespace) -> dict[str, Any]:
     """Generate, run the nightly, collect the figures of one size."""
     root = Path(args.root) / f"{rows}"
-    generated = generate(rows, root / "raw")
+    generated = generate(rows, root / "raw", args.vocab_rows)
     config = nightly_config(Path(generated["log"]), Path(generated["items"]), rows, args)
     config_path = root / "config.yaml"
     config_path.write_text(yaml.safe_dump(config))
@@ -326,7 +330,7 @@ def run_size(rows: int, args: argparse.Namespace) -> dict[str, Any]:
         stages[stage] = entry
     return {
         "target_rows": rows,
-        "synthetic": synthetic_config(rows),
+        "synthetic": synthetic_config(rows, args.vocab_rows),
         "generate": generated,
         "stages": stages,
         "nightly_wall_seconds": nightly["wall_seconds"],
@@ -421,6 +425,9 @@ def main() -> int:
     parser.add_argument("--plot", default=str(REPO / "docs/scale.png"))
     parser.add_argument("--steps", type=int, default=300, help="training step budget")
     parser.add_argument("--eval-users", type=int, default=100_000, help="test user sample")
+    parser.add_argument(
+        "--vocab-rows", type=parse_size, help="users/items as for this size (fixed vocabulary)"
+    )
     parser.add_argument("--table", action="store_true", help="print --out as Markdown, run nothing")
     args = parser.parse_args()
     out = Path(args.out)

@@ -76,7 +76,8 @@ class TrainResult:
     jit_compile: bool = False
     cached: bool = False
     # training.refit: the kept model is a second fit on train + validation for this many
-    # epochs (the first fit's `best_epoch`, or all it ran); history and examples are the first's.
+    # epochs (the first fit's `best_epoch`, or training.epochs without early stopping);
+    # history and examples are the first fit's.
     refit_epochs: int | None = None
     refit_examples: int = 0
     refit_seconds: float = 0.0
@@ -585,7 +586,9 @@ def _refit(
 ) -> TrainResult:
     """A fresh model trained on train + validation for the epochs the first fit chose."""
     tc = config.training
-    epochs = first.best_epoch or len(first.epoch_seconds) or tc.epochs
+    # Without early stopping every configured epoch ran (a resumed fit's history and timer
+    # hold only the epochs after the resume, so they cannot count them).
+    epochs = first.best_epoch or tc.epochs
     log.info("refit: %d epoch(s) on the train and validation splits together", epochs)
     tf.keras.utils.set_random_seed(tc.seed)
     with strategy.scope():
