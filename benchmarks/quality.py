@@ -171,11 +171,14 @@ def als_user_items(x: Any, factors: int, reg: float, alpha: float, seed: int) ->
     """Implicit ALS (Hu, Koren and Volinsky 2008; the `implicit` library, confidence 1 + alpha
     x, conjugate-gradient solves): user and item factors of the users x items matrix `x`."""
     from implicit.cpu.als import AlternatingLeastSquares  # benchmark-only dependency
+    from threadpoolctl import threadpool_limits
 
-    model = AlternatingLeastSquares(
-        factors=factors, regularization=reg, alpha=alpha, iterations=15, random_state=seed
-    )
-    model.fit(x.tocsr().astype(np.float32), show_progress=False)
+    # implicit parallelises over rows itself; a BLAS thread pool underneath oversubscribes.
+    with threadpool_limits(1, "blas"):
+        model = AlternatingLeastSquares(
+            factors=factors, regularization=reg, alpha=alpha, iterations=15, random_state=seed
+        )
+        model.fit(x.tocsr().astype(np.float32), show_progress=False)
     return np.asarray(model.user_factors), np.asarray(model.item_factors)
 
 
