@@ -79,8 +79,16 @@ def _set_dotted(tree: dict[str, Any], key: str, value: Any) -> None:
 
 
 def trial_config(config: RecsysConfig, params: dict[str, Any]) -> RecsysConfig:
-    """The config one trial trains with: `params` set, early stopping on the tuned metric."""
-    values = {**params, "training.early_stopping_metric": config.tune.metric}
+    """The config one trial trains with: `params` set, early stopping on the tuned metric.
+
+    No refit: a trial is scored on the validation split, which a refit would train on (the
+    written best config keeps the base config's `training.refit`).
+    """
+    values = {
+        **params,
+        "training.early_stopping_metric": config.tune.metric,
+        "training.refit": False,
+    }
     history = params.get("model.history_length", config.model.history_length)
     values["preprocess.history_length"] = max(config.preprocess.history_length, int(history))
     return set_values(config, values)

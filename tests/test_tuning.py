@@ -152,3 +152,13 @@ def test_search_space_keys_and_values_are_validated() -> None:
                                                                     "log": True}}}})  # fmt: skip
     # The space never changes a nightly run's identity.
     assert parse_config({"tune": {"trials": 5}}).digest() == parse_config({}).digest()
+
+
+def test_trials_train_without_the_refit_their_score_would_leak_into(tmp_path: Path) -> None:
+    # A refit trains on the validation split a trial is scored on: trials never refit, while
+    # the written best config keeps the base config's refit for the nightly.
+    base = parse_config({"training": {"refit": True, "early_stopping_patience": 2}})
+    trial = tuning.trial_config(base, {"model.embedding_dim": 16})
+    assert trial.training.refit is False and trial.model.embedding_dim == 16
+    best = load_config(tuning.write_config(base, {"model.embedding_dim": 16}, tmp_path / "b.yaml"))
+    assert best.training.refit is True and best.model.embedding_dim == 16
