@@ -147,3 +147,16 @@ def test_implicit_als_reference_ranks_each_users_own_block_first() -> None:
     own = np.where(first, scores[:, :5].mean(1), scores[:, 5:].mean(1))
     other = np.where(first, scores[:, 5:].mean(1), scores[:, :5].mean(1))
     assert (own > other).all()
+
+
+def test_screen_variants_merge_overrides_nested_keys_only() -> None:
+    from benchmarks.screen_variants import merge
+
+    base = {"model": {"embedding_dim": 64, "user_embedding": "auto"}, "training": {"epochs": 10}}
+    merged = merge(base, {"model": {"user_embedding": False}, "data": {"source": "csv"}})
+    assert merged == {
+        "model": {"embedding_dim": 64, "user_embedding": False},
+        "training": {"epochs": 10},
+        "data": {"source": "csv"},
+    }
+    assert base["model"]["user_embedding"] == "auto"  # the base is not changed

@@ -30,6 +30,13 @@ def test_bad_value_is_named() -> None:
         parse_config({"model": {"embedding_dim": 0}})
 
 
+def test_user_embedding_is_a_bool_or_auto() -> None:
+    assert parse_config({"model": {"user_embedding": "auto"}}).model.user_embedding == "auto"
+    assert parse_config({"model": {"user_embedding": False}}).model.user_embedding is False
+    with pytest.raises(ConfigError, match=r"model\.user_embedding"):
+        parse_config({"model": {"user_embedding": "sometimes"}})
+
+
 def test_path_required_for_file_sources() -> None:
     with pytest.raises(ConfigError, match=r"data\.path is required"):
         parse_config({"data": {"source": "csv"}})

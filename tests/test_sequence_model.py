@@ -162,6 +162,19 @@ def test_auto_negatives_resolve_by_catalog_size() -> None:
     assert resolve(ModelConfig(), DataShape(items=10, events_per_user=1.0)) == (ModelConfig(), [])
 
 
+def test_auto_user_table_is_on_when_users_have_more_events_than_the_window() -> None:
+    config = ModelConfig(user_embedding="auto", history_length=20)
+    sparse, reasons = resolve(config, DataShape(items=12_000, events_per_user=9.0))
+    assert sparse.user_embedding is False
+    assert reasons == ["user_embedding=false (9.0 events/user <= history_length 20)"]
+    dense, _ = resolve(config, DataShape(items=1_700, events_per_user=106.0))
+    assert dense.user_embedding is True
+    ids_only = config.model_copy(update={"history_length": 0})
+    assert resolve(ids_only, DataShape(items=10, events_per_user=1.0))[0].user_embedding is True
+    with pytest.raises(ValueError, match="user_embedding 'auto' must be resolved"):
+        TrainedModel.build(USERS, ITEMS, config)
+
+
 def test_warm_start_copies_the_encoder_and_maps_item_rows() -> None:
     tf.keras.utils.set_random_seed(5)
     old = TrainedModel.build(USERS, ITEMS, TRANSFORMER)
@@ -180,12 +193,36 @@ def test_warm_start_copies_the_encoder_and_maps_item_rows() -> None:
     )
 
 
+def test_without_a_user_table_the_query_is_the_history_alone() -> None:
+    tf.keras.utils.set_random_seed(6)
+    config = TRANSFORMER.model_copy(update={"user_embedding": False})
+    model = TrainedModel.build(USERS, ITEMS, config)
+    assert model.query_tower.embedding is None
+    assert all(v.shape[0] != len(USERS) + 1 for v in model.query_tower.trainable_variables)
+    history = ["i3", "i7", "i1"]
+    vectors = model.user_embeddings(["u2", "u5", "nobody", "u2"], [history] * 3 + [["i4"]])
+    np.testing.assert_allclose(vectors[0], vectors[1], atol=1e-6)
+    np.testing.assert_allclose(vectors[0], vectors[2], atol=1e-6)  # a new user is served too
+    assert np.abs(vectors[0] - vectors[3]).max() > 1e-3  # and the history still matters
+    # Warm starts across the flag carry the item rows and skip the table one side lacks.
+    with_users = TrainedModel.build(USERS, ITEMS, TRANSFORMER)
+    for new, old in ((model, with_users), (with_users, model)):
+        copied = warm_start(new, old)
+        assert copied["items"] == len(ITEMS) and "users" not in copied
+
+
+@pytest.mark.parametrize("user_embedding", [True, False])
 def test_saved_transformer_query_model_matches_in_memory_vectors(
-    prepared: tuple[RecsysConfig, Workdir, Path], tmp_path: Path
+    prepared: tuple[RecsysConfig, Workdir, Path], tmp_path: Path, user_embedding: bool
 ) -> None:
     config, workdir, data_dir = prepared
     raw = config.model_dump(mode="json")
-    raw["model"].update(query_encoder="transformer", negatives="full", history_length=LENGTH)
+    raw["model"].update(
+        query_encoder="transformer",
+        negatives="full",
+        history_length=LENGTH,
+        user_embedding=user_embedding,
+    )
     raw["training"]["epochs"] = 1
     run_dir, result = stages.train(
         RecsysConfig.model_validate(raw), workdir, dt.date.fromisoformat(SMALL_DATE), data_dir

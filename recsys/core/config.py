@@ -284,6 +284,12 @@ class ModelConfig(_Strict):
     # Same default as preprocess.history_length: serving then pools what training saw.
     history_length: int = Field(20, ge=0, le=MAX_K)
     share_item_embeddings: bool = True
+    # Query tower: a learned vector per user id, added to the history's encoding. Off, the query
+    # is a function of the history (and user features) alone, as in SASRec: no per-user table to
+    # overfit on logs with a few events per user, and a new user's history is enough to serve.
+    # auto: on when users have more events on average than `history_length` (the table then
+    # carries what the window cannot see), else off (recsys.model.defaults, logged).
+    user_embedding: bool | Literal["auto"] = True
     # Candidate tower: genres / title tokens from item_features.parquet when it has them.
     item_features: bool = True
     # Query tower: one token per user side feature (user_features.parquet: age bucket, gender,
@@ -475,6 +481,8 @@ DEFAULT_TUNE_SPACE: dict[str, dict[str, Any]] = {
     # want more dropout than dense ones (SASRec: .5 vs .2).
     "model.encoder_layers": {"choices": [1, 2, 3]},
     "model.encoder_dropout": {"low": 0.1, "high": 0.6},
+    # A per-user table helps dense logs and overfits sparse ones (recsys.model.defaults).
+    "model.user_embedding": {"choices": [True, False]},
     "training.learning_rate": {"low": 0.001, "high": 0.03, "log": True},
     "training.batch_size": {"choices": [256, 512, 1024, 2048]},
 }

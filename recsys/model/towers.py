@@ -32,8 +32,9 @@ class _Tower(tf.keras.Model):
 class QueryTower(_Tower):
     """`q = normalize(MLP(U[u] + enc(H(u)) + sum_f A_f[a_f(u)]))`.
 
-    U is the (users + oov) x d user table; H(u) the user's last `history_length` items (index
-    PAD ignored; an empty history adds the zero vector); enc is `mean_{j in H(u)} V[j]`, or with
+    U is the (users + oov) x d user table (with `user_embedding` off there is none: the term
+    is 0); H(u) the user's last `history_length` items (index PAD ignored; an empty history
+    adds the zero vector); enc is `mean_{j in H(u)} V[j]`, or with
     `encoder` "transformer" causal self-attention over the ordered H(u) read at the latest item
     (`recsys.model.encoders`); V is the candidate tower's item table
     when `item_embedding` is given (shared), else the tower's own table of `num_items` rows.
@@ -54,13 +55,17 @@ class QueryTower(_Tower):
         normalize: bool = True,
         features: Baked | None = None,
         encoder: EncoderSpec | None = None,
+        user_embedding: bool = True,
         **kwargs: object,
     ) -> None:
         super().__init__(**kwargs)
         self.history_length = history_length
         self.normalize = normalize
+        self.embedding_dim = embedding_dim
         # Attribute names are checkpoint keys: `embedding` as in the first (ids-only) towers.
-        self.embedding = embedding(num_users, embedding_dim, l2, "embedding")
+        self.embedding = (
+            embedding(num_users, embedding_dim, l2, "embedding") if user_embedding else None
+        )
         self.shares_item_embedding = item_embedding is not None
         self.history_embedding = None
         if history_length:
@@ -83,7 +88,11 @@ class QueryTower(_Tower):
         self.mlp = mlp(hidden_dims)
 
     def call(self, inputs: dict[str, tf.Tensor], training: bool | None = None) -> tf.Tensor:
-        x = self.embedding(inputs[USER_INDEX])
+        users = inputs[USER_INDEX]
+        if self.embedding is not None:
+            x = self.embedding(users)
+        else:
+            x = tf.zeros([tf.shape(users)[0], self.embedding_dim], self.compute_dtype)
         if self.history_embedding is not None and HISTORY_INDEX in inputs:
             history = inputs[HISTORY_INDEX]
             encoder = getattr(self, "encoder", None)

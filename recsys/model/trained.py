@@ -53,6 +53,8 @@ class TrainedModel:
         user_features: UserFeatures | None = None,
     ) -> TrainedModel:
         """Fresh (untrained) towers sized for the vocabularies (under the current dtype policy)."""
+        if config.user_embedding == "auto":
+            raise ValueError("model.user_embedding 'auto' must be resolved before building")
         oov = config.oov_buckets
         item_features = item_features if config.item_features and item_features else ItemFeatures()
         user_features = user_features if config.user_features and user_features else UserFeatures()
@@ -73,6 +75,7 @@ class TrainedModel:
             normalize=config.normalize,
             features=user_features.baked(oov),
             encoder=EncoderSpec.from_config(config),
+            user_embedding=config.user_embedding,
             name="query_tower",
         )
         query(_dummy_query(config))

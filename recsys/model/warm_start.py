@@ -56,13 +56,6 @@ def warm_start(model: TrainedModel, previous: TrainedModel) -> dict[str, int]:
     q, pq_ = model.query_tower, previous.query_tower
     c, pc = model.candidate_tower, previous.candidate_tower
     copied = {
-        "users": map_rows(
-            q.embedding.embeddings,
-            pq_.embedding.embeddings.numpy(),
-            model.users,
-            previous.users,
-            oov,
-        ),
         "items": map_rows(
             c.embedding.embeddings,
             pc.embedding.embeddings.numpy(),
@@ -71,6 +64,10 @@ def warm_start(model: TrainedModel, previous: TrainedModel) -> dict[str, int]:
             oov,
         ),
     }
+    # Either model may have no user table (model.user_embedding off): nothing to carry then.
+    if q.embedding is not None and pq_.embedding is not None:
+        users = pq_.embedding.embeddings.numpy()
+        copied["users"] = map_rows(q.embedding.embeddings, users, model.users, previous.users, oov)
     if (
         q.history_embedding is not None
         and not q.shares_item_embedding

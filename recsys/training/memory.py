@@ -42,7 +42,8 @@ def estimate(config: RecsysConfig, users: int, items: int, examples: int) -> dic
     d = m.embedding_dim
     widths = [d, *m.hidden_dims]
     dense = sum(a * b for a, b in itertools.pairwise(widths)) * 2
-    tables = ((users + m.oov_buckets) + (items + m.oov_buckets)) * d + dense
+    user_rows = 0 if m.user_embedding is False else users + m.oov_buckets  # auto: maybe on
+    tables = (user_rows + (items + m.oov_buckets)) * d + dense
     slots = 1 if t.optimizer == "adagrad" else 2
     batch = max(1, min(t.batch_size, examples or t.batch_size))
     negatives = resolve(m, DataShape(items, 0.0))[0].negatives
