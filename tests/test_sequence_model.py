@@ -1,4 +1,4 @@
-"""The transformer query encoder and the extra negatives, on tiny generated inputs."""
+"""The sequence query encoders (transformer, GRU) and the extra negatives, on tiny inputs."""
 
 from __future__ import annotations
 
@@ -18,8 +18,9 @@ from recsys.core.layout import Workdir
 from recsys.losses import in_batch_softmax_loss
 from recsys.model import TrainedModel, TwoTowerModel, warm_start
 from recsys.model.defaults import DataShape, resolve
-from recsys.model.encoders import TransformerEncoder, right_align
+from recsys.model.encoders import GRUEncoder, TransformerEncoder, right_align
 from recsys.model.negatives import sample_pool
+from recsys.training.memory import FLOAT, estimate
 from serving_export.savedmodels import export_savedmodels
 from tests.conftest import SMALL_DATE
 
@@ -33,6 +34,7 @@ TRANSFORMER = ModelConfig(
     encoder_dropout=0.0,
     item_features=False,
 )
+GRU = TRANSFORMER.model_copy(update={"query_encoder": "gru"})
 
 
 def _encoder(seed: int = 0) -> TransformerEncoder:
@@ -79,6 +81,67 @@ def test_padding_is_ignored_and_an_empty_history_encodes_to_zero() -> None:
     # The same two items padded to another position give the same vector (right-aligned).
     shifted = tf.constant([[3, 7, -1, -1, -1, -1]], tf.int64)
     np.testing.assert_allclose(encoder(shifted).numpy()[0], after[0], atol=1e-6)
+
+
+def _gru(seed: int = 0) -> GRUEncoder:
+    """A built GRU encoder whose weights are all random (zero biases would hide an offset)."""
+    tf.keras.utils.set_random_seed(seed)
+    encoder = GRUEncoder(tf.keras.layers.Embedding(20, 16), 16, dropout=0.0)
+    encoder(tf.constant([[1, 2, -1, -1, -1, -1]], tf.int64))
+    for w in [*encoder.gru.weights, *encoder.norm.weights]:
+        w.assign(tf.random.normal(w.shape, stddev=0.5))
+    return encoder
+
+
+def test_gru_ignores_padding_and_encodes_an_empty_history_to_zero() -> None:
+    encoder = _gru()
+    ids = tf.constant([[3, 7, 1, -1, -1, -1], [-1] * LENGTH], tf.int64)
+    before = encoder(ids).numpy()
+    assert np.abs(before[0]).max() > 1e-3
+    np.testing.assert_array_equal(before[1], 0.0)
+    # The same items with more (or no) PAD steps after them: the masked steps never update.
+    longer = tf.constant([[3, 7, 1] + [-1] * 9], tf.int64)
+    np.testing.assert_allclose(encoder(longer).numpy()[0], before[0], atol=1e-6)
+    np.testing.assert_allclose(encoder(ids[:1, :3]).numpy()[0], before[0], atol=1e-6)
+    # PAD entries are looked up as row 0 and masked: changing row 0 must change nothing.
+    table = encoder.item_embedding.embeddings
+    table.assign(tf.tensor_scatter_nd_update(table, [[0]], tf.ones([1, 16]) * 5.0))
+    np.testing.assert_allclose(encoder(ids).numpy(), before, atol=1e-6)
+
+
+def test_gru_is_order_sensitive() -> None:
+    encoder = _gru()
+    forward = encoder(tf.constant([[3, 7, 1, 9, -1, -1]], tf.int64)).numpy()
+    backward = encoder(tf.constant([[9, 1, 7, 3, -1, -1]], tf.int64)).numpy()
+    assert np.abs(forward - backward).max() > 1e-3
+
+
+def test_gru_encodes_a_history_as_the_prefix_state_of_any_longer_sequence() -> None:
+    """enc(h_1..k) = LN(s_k) of a GRU run over h_1..L: later items cannot reach it."""
+    encoder = _gru()
+    full = tf.constant([[3, 7, 1, 9, 4, 11]], tf.int64)
+    steps = tf.keras.layers.GRU(16, return_sequences=True)
+    x = encoder.item_embedding(full)
+    steps(x)
+    steps.set_weights(encoder.gru.get_weights())
+    states = encoder.norm(steps(x)[0]).numpy()  # [L, d]: the norm was built on [n, d]
+    for k in range(1, LENGTH + 1):
+        prefix = tf.concat([full[:, :k], tf.fill([1, LENGTH - k], tf.constant(-1, tf.int64))], 1)
+        np.testing.assert_allclose(encoder(prefix).numpy()[0], states[k - 1], atol=1e-5)
+
+
+def test_the_gru_is_the_query_towers_encoder_and_its_memory_is_estimated() -> None:
+    tf.keras.utils.set_random_seed(7)
+    model = TrainedModel.build(USERS, ITEMS, GRU)
+    assert isinstance(model.query_tower.encoder, GRUEncoder)
+    # The history table is the candidate tower's (shared), as for the transformer.
+    assert model.query_tower.encoder.item_embedding is model.candidate_tower.embedding
+    config = RecsysConfig(model=GRU)
+    mean = RecsysConfig(model=GRU.model_copy(update={"query_encoder": "mean"}))
+    batch = config.training.batch_size
+    gru_bytes = estimate(config, 100, 50, 10_000)["tower activations"]
+    mean_bytes = estimate(mean, 100, 50, 10_000)["tower activations"]
+    assert gru_bytes - mean_bytes == batch * LENGTH * 3 * 16 * 4 * FLOAT
 
 
 def _numpy_loss(q: np.ndarray, c: np.ndarray, ids: np.ndarray, log_q: np.ndarray, t: float):
@@ -193,6 +256,40 @@ def test_warm_start_copies_the_encoder_and_maps_item_rows() -> None:
     )
 
 
+def test_warm_start_copies_the_gru_and_skips_an_encoder_of_another_kind() -> None:
+    tf.keras.utils.set_random_seed(8)
+    old = TrainedModel.build(USERS, ITEMS, GRU)
+    longer = GRU.model_copy(update={"history_length": LENGTH + 2})
+    new = TrainedModel.build(USERS, ["new", *ITEMS[::-1]], longer)
+    copied = warm_start(new, old)
+    assert copied["items"] == len(ITEMS) and copied["encoder_positions"] == 0
+    enc, old_enc = new.query_tower.encoder, old.query_tower.encoder
+    for a, b in zip(
+        [*enc.gru.get_weights(), *enc.norm.get_weights()],
+        [*old_enc.gru.get_weights(), *old_enc.norm.get_weights()],
+        strict=True,
+    ):
+        np.testing.assert_array_equal(a, b)
+    history = [["i3", "i7", "i1"]]
+    np.testing.assert_allclose(
+        new.user_embeddings(["u2"], history), old.user_embeddings(["u2"], history), atol=1e-5
+    )
+    # Across kinds the items still carry over and the new encoder keeps its fresh weights.
+    transformer = TrainedModel.build(USERS, ITEMS, TRANSFORMER)
+    for target, source in ((new, transformer), (transformer, old)):
+        fresh = _own_weights(target.query_tower.encoder)
+        copied = warm_start(target, source)
+        assert copied["items"] == len(ITEMS) and copied["encoder_positions"] == 0
+        for a, b in zip(_own_weights(target.query_tower.encoder), fresh, strict=True):
+            np.testing.assert_array_equal(a, b)
+
+
+def _own_weights(encoder: tf.keras.layers.Layer) -> list[np.ndarray]:
+    """An encoder's weights but the item table it shares (warm start maps that by id)."""
+    table = encoder.item_embedding.embeddings
+    return [w.numpy() for w in encoder.weights if w is not table]
+
+
 def test_without_a_user_table_the_query_is_the_history_alone() -> None:
     tf.keras.utils.set_random_seed(6)
     config = TRANSFORMER.model_copy(update={"user_embedding": False})
@@ -211,14 +308,16 @@ def test_without_a_user_table_the_query_is_the_history_alone() -> None:
         assert copied["items"] == len(ITEMS) and "users" not in copied
 
 
-@pytest.mark.parametrize("user_embedding", [True, False])
-def test_saved_transformer_query_model_matches_in_memory_vectors(
-    prepared: tuple[RecsysConfig, Workdir, Path], tmp_path: Path, user_embedding: bool
+@pytest.mark.parametrize(
+    ("encoder", "user_embedding"), [("transformer", True), ("transformer", False), ("gru", False)]
+)
+def test_saved_sequence_query_model_matches_in_memory_vectors(
+    prepared: tuple[RecsysConfig, Workdir, Path], tmp_path: Path, encoder: str, user_embedding: bool
 ) -> None:
     config, workdir, data_dir = prepared
     raw = config.model_dump(mode="json")
     raw["model"].update(
-        query_encoder="transformer",
+        query_encoder=encoder,
         negatives="full",
         history_length=LENGTH,
         user_embedding=user_embedding,
@@ -228,7 +327,7 @@ def test_saved_transformer_query_model_matches_in_memory_vectors(
         RecsysConfig.model_validate(raw), workdir, dt.date.fromisoformat(SMALL_DATE), data_dir
     )
     model = TrainedModel.load(run_dir / "model")
-    assert model.config.query_encoder == "transformer"
+    assert model.config.query_encoder == encoder
     users = ["u1", "u2", "nobody", "u3"]
     histories = [model.items[:2], [], model.items[:9], ["unknown", model.items[5]]]
     expected = model.user_embeddings(users, histories)

@@ -298,9 +298,11 @@ class ModelConfig(_Strict):
     max_title_tokens: int = Field(16, ge=1, le=1024)
     # Extra hard negatives (TFRS HardNegativeMining): keep only the top-N negatives per query.
     num_hard_negatives: int | None = Field(None, ge=1, le=MAX_BATCH)
-    # How the history becomes a vector: mean pooling (order ignored) or causal self-attention
-    # over the ordered history (SASRec-style; docs/TRAINING.md).
-    query_encoder: Literal["mean", "transformer"] = "mean"
+    # How the history becomes a vector: mean pooling (order ignored), causal self-attention
+    # over the ordered history (SASRec-style) or a GRU over it (GRU4Rec-style; docs/TRAINING.md).
+    query_encoder: Literal["mean", "transformer", "gru"] = "mean"
+    # encoder_layers and encoder_heads shape the transformer only (the GRU is one layer of
+    # embedding_dim units); encoder_dropout applies to both (the GRU's to its inputs).
     encoder_layers: int = Field(2, ge=1, le=64)
     encoder_heads: int = Field(1, ge=1, le=64)
     encoder_dropout: float = Field(0.2, ge=0, lt=1)

@@ -11,6 +11,15 @@ self-attention over the ordered history, as in SASRec (Kang & McAuley, 2018):
 
 Output t depends on items at positions <= t only (causal), padding never enters a real
 position's output, and an empty history encodes to the zero vector like the mean.
+
+`gru` is a recurrence over the same ordered history, as in GRU4Rec (Hidasi et al., 2016):
+
+    ids stay left-aligned: h_1 .. h_n are the n = |h| items, oldest first, then PAD
+    x_t   = Drop(V[h_t]) ;  s_t = GRU(s_{t-1}, x_t),  s_0 = 0   (Keras GRU, units d)
+    encoder(h) = LN(s_n) 1[n > 0]                         (PAD steps masked: s carries over)
+
+Order matters through the recurrence (no positions), s_n sees h_1 .. h_n only, and padding
+never updates the state, so the same items give the same vector whatever the fill.
 """
 
 from __future__ import annotations
@@ -25,7 +34,7 @@ from recsys.core.config import ModelConfig
 
 @dataclass(frozen=True)
 class EncoderSpec:
-    """Which history encoder a query tower uses, and the transformer's shape."""
+    """Which history encoder a query tower uses, and its shape (layers, heads: transformer)."""
 
     kind: str = "mean"
     layers: int = 2
@@ -112,6 +121,38 @@ class TransformerEncoder(tf.keras.layers.Layer):
             x = block(x, attend, training=training) * mask
         last = self.blocks[-1](x, attend, training=training, latest_only=True)
         return self.norm(last)[:, 0] * mask[:, -1]
+
+
+class GRUEncoder(tf.keras.layers.Layer):
+    """A GRU over the ordered history, read at the latest item (see the module docstring)."""
+
+    def __init__(
+        self,
+        item_embedding: tf.keras.layers.Embedding,
+        dim: int,
+        dropout: float = 0.2,
+        **kwargs: object,
+    ) -> None:
+        super().__init__(**kwargs)
+        self.item_embedding = item_embedding
+        self.dropout = tf.keras.layers.Dropout(dropout)
+        # Defaults only (tanh, sigmoid, reset_after, no recurrent dropout): Keras picks cuDNN
+        # on a GPU when the mask allows it and the generic kernel otherwise (and on CPU).
+        self.gru = tf.keras.layers.GRU(dim, name="gru")
+        self.norm = tf.keras.layers.LayerNormalization(epsilon=1e-6, name="final_norm")
+
+    def call(self, ids: tf.Tensor, training: bool | None = None) -> tf.Tensor:
+        """[n, d]: the final state over each left-aligned, PAD-filled history (0 if empty)."""
+        valid = ids >= 0
+        x = self.item_embedding(tf.where(valid, ids, tf.zeros_like(ids)))
+        x = self.dropout(x * tf.cast(valid, x.dtype)[..., None], training=training)
+        some = tf.reduce_any(valid, axis=1, keepdims=True)
+        # An all-masked row sends the whole batch to the slow kernel (cuDNN rejects it): an
+        # empty history runs one step on a zero input instead, and is zeroed below.
+        first = tf.range(tf.shape(ids)[1])[None, :] == 0
+        steps = tf.logical_or(valid, tf.logical_and(first, tf.logical_not(some)))
+        state = self.gru(x, mask=steps, training=training)
+        return self.norm(state) * tf.cast(some, state.dtype)
 
 
 class _Block(tf.keras.layers.Layer):

@@ -7,7 +7,7 @@ from collections.abc import Sequence
 
 import tensorflow as tf
 
-from recsys.model.encoders import EncoderSpec, TransformerEncoder
+from recsys.model.encoders import EncoderSpec, GRUEncoder, TransformerEncoder
 from recsys.model.inputs import HISTORY_INDEX, ITEM_INDEX, USER_INDEX, feature_index
 from recsys.model.layers import Baked, bake_features, embedding, masked_mean, mlp, tower_output
 
@@ -35,8 +35,9 @@ class QueryTower(_Tower):
     U is the (users + oov) x d user table (with `user_embedding` off there is none: the term
     is 0); H(u) the user's last `history_length` items (index PAD ignored; an empty history
     adds the zero vector); enc is `mean_{j in H(u)} V[j]`, or with
-    `encoder` "transformer" causal self-attention over the ordered H(u) read at the latest item
-    (`recsys.model.encoders`); V is the candidate tower's item table
+    `encoder` "transformer" causal self-attention over the ordered H(u) read at the latest item,
+    with "gru" a GRU's final state over it (`recsys.model.encoders`); V is the candidate tower's
+    item table
     when `item_embedding` is given (shared), else the tower's own table of `num_items` rows.
     For each user side feature f (age bucket, gender, occupation, ...) a_f(u) is the user's
     token, baked into the tower by user index like the candidate tower's item features (a user
@@ -72,8 +73,8 @@ class QueryTower(_Tower):
             self.history_embedding = item_embedding or embedding(
                 num_items, embedding_dim, l2, "history_embedding"
             )
+        # Only for a sequence encoder: mean-pooling towers keep their checkpoint keys.
         if history_length and encoder is not None and encoder.kind == "transformer":
-            # Only then: mean-pooling towers keep their checkpoint keys.
             self.encoder = TransformerEncoder(
                 self.history_embedding,
                 history_length,
@@ -82,6 +83,10 @@ class QueryTower(_Tower):
                 encoder.heads,
                 encoder.dropout,
                 name="encoder",
+            )
+        elif history_length and encoder is not None and encoder.kind == "gru":
+            self.encoder = GRUEncoder(
+                self.history_embedding, embedding_dim, encoder.dropout, name="encoder"
             )
         if features:  # only then: towers without user features keep their checkpoint keys
             bake_features(self, features, embedding_dim, l2)

@@ -2,8 +2,8 @@
 
 Ids in both vocabularies keep their trained rows, new ids keep their fresh rows, removed ids
 are dropped; OOV buckets are copied by position; side-feature rows map by token; dense layers
-(MLP, transformer blocks) are copied when their shapes match, encoder positions aligned
-at the latest item.
+(MLP, transformer blocks, the GRU) are copied when their shapes match, encoder positions
+aligned at the latest item. A sequence encoder of another kind starts fresh.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import numpy as np
 import tensorflow as tf
 
 from recsys.core.errors import ConfigError
-from recsys.model.encoders import TransformerEncoder
+from recsys.model.encoders import GRUEncoder, TransformerEncoder
 from recsys.model.trained import TrainedModel
 
 
@@ -108,13 +108,22 @@ def _copy_matching(layers: Sequence[tf.keras.layers.Layer], old: Sequence[object
             layer.set_weights(old_layer.get_weights())
 
 
-def copy_encoder(encoder: TransformerEncoder, old: TransformerEncoder) -> int:
-    """Blocks and final norm copied when shapes match; positions aligned at the latest item.
+Encoder = TransformerEncoder | GRUEncoder
+
+
+def copy_encoder(encoder: Encoder, old: Encoder) -> int:
+    """Layers and final norm copied when kinds and shapes match; positions aligned at the latest.
 
     Position L-1 is the latest item in both (right-aligned histories), so a changed
-    `history_length` keeps the rows of the most recent min(L, L_old) positions. Returns them.
+    `history_length` keeps the rows of the most recent min(L, L_old) positions. Returns them
+    (0 for a GRU, which has none, and for encoders of different kinds, which share nothing).
     The item table is not touched here: it is mapped by id with the candidate tower's.
     """
+    if type(encoder) is not type(old):
+        return 0
+    if isinstance(encoder, GRUEncoder):
+        _copy_matching([encoder.gru, encoder.norm], [old.gru, old.norm])
+        return 0
     _copy_matching([*encoder.blocks, encoder.norm], [*old.blocks, old.norm])
     new, previous = encoder.positions, old.positions.numpy()
     if new.shape[1] != previous.shape[1]:

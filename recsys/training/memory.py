@@ -12,7 +12,8 @@ and is OOM-killed minutes later. The estimate counts the big float32 buffers onl
   pool) and b x items at once; with softmax and gradient, 3 copies;
 - tower activations: b x d per tower and per hidden layer, forward and backward; the
   transformer encoder adds b x L x d per layer (x 8: attention, MLP, norms, backward) and its
-  b x heads x L x L attention weights.
+  b x heads x L x L attention weights; the GRU adds its 3 gates per step, b x L x 3d, kept
+  for backpropagation through time (x 4: input and recurrent projections, their gradients).
 """
 
 from __future__ import annotations
@@ -54,6 +55,8 @@ def estimate(config: RecsysConfig, users: int, items: int, examples: int) -> dic
     if m.query_encoder == "transformer":
         length = m.history_length
         activations += m.encoder_layers * batch * length * (8 * d + m.encoder_heads * length)
+    elif m.query_encoder == "gru":
+        activations += batch * m.history_length * 3 * d * 4
     return {
         "embedding tables": tables * FLOAT,
         "optimizer slots and gradients": tables * (slots + 1) * FLOAT,
