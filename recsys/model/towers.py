@@ -37,8 +37,8 @@ class QueryTower(_Tower):
     adds the zero vector); enc is `mean_{j in H(u)} V[j]`, or with
     `encoder` "transformer" causal self-attention over the ordered H(u) read at the latest item,
     with "gru" a GRU's final state over it (`recsys.model.encoders`); V is the candidate tower's
-    item table
-    when `item_embedding` is given (shared), else the tower's own table of `num_items` rows.
+    item table when `item_embedding` is given (shared), else the tower's own table of
+    `num_items` rows.
     For each user side feature f (age bucket, gender, occupation, ...) a_f(u) is the user's
     token, baked into the tower by user index like the candidate tower's item features (a user
     without one, or an out-of-vocabulary user, adds nothing).
