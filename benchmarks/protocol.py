@@ -95,6 +95,7 @@ class Split:
     test: dict[int, int]  # user index -> catalog index of the test item (-1: outside catalog)
     test_rows: np.ndarray  # bool per log row: the row is a test item
     numeric: bool
+    validation_rows: np.ndarray | None = None  # bool per log row: a validation item
 
     def sequence(self, user: int, with_validation: bool) -> np.ndarray:
         """The user's items in protocol order (training, then the validation item if asked)."""
@@ -128,7 +129,11 @@ def leave_last_out(log: Log, min_interactions: int = 5) -> Split:
             test[u] = int(index[s:e][r == 2][0])
     test_rows = np.zeros(len(order), bool)
     test_rows[order[role == 2]] = True
-    return Split(user_names, catalog, train, validation, test, test_rows, log.numeric)
+    validation_rows = np.zeros(len(order), bool)
+    validation_rows[order[role == 1]] = True
+    return Split(
+        user_names, catalog, train, validation, test, test_rows, log.numeric, validation_rows
+    )
 
 
 def eval_set(split: Split, stage: str) -> tuple[list[int], ev.EvalSet]:

@@ -10,8 +10,9 @@ with the user's non-test items removed:
   seed), each fitted on the training rows only while validating;
 - SASRec (`benchmarks.sasrec`, full-softmax cross-entropy at every position), lightly tuned
   on validation NDCG@10 with seed 0 (one setting changed at a time from the literature's
-  per-dataset start), then trained with the other seeds; the test query is the sequence
-  including the validation item;
+  per-dataset start), then refitted per seed on the sequences including the validation item
+  for the epoch count validation chose; the test query is the sequence including the
+  validation item;
 - ours: the project's pipeline (Beam preprocess -> train -> export, `conductor.stages`) on the
   log WITHOUT the test rows, with `configs/default.yaml` whose data section alone is
   replaced (plus `training.seed` per seed); scored as an outside scorer would, from the
@@ -39,7 +40,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable
-from dataclasses import replace
+from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
 
@@ -235,11 +236,13 @@ def sasrec_candidates(start: sasrec.Settings) -> list[sasrec.Settings]:
 
 
 def run_sasrec(b: Bench, seed: int, results: dict[str, Any], args: Any) -> dict[str, Any]:
-    """Tuning (seed 0, stored under sasrec_tuning) then the chosen settings with `seed`.
+    """Tuning (seed 0, stored under sasrec_tuning), then a refit with `seed`.
 
-    Every tuning fit also records its test metrics, so that the chosen one (by validation
-    NDCG@10 only) is seed 0's result without a refit, also when the candidates ran in
-    separate processes (`--sasrec-candidates`, merged by `--merge`).
+    Every tuning fit records its validation NDCG@10, the epoch early stopping kept and the
+    test metrics of that fit (`test_without_refit`), also when the candidates ran in separate
+    processes (`--sasrec-candidates`, merged by `--merge`). The chosen settings (by validation
+    only) are then refitted per seed on the sequences including the validation item for the
+    kept epoch count, like EASE, ALS and ours, and that refit is scored on the test item.
     """
 
     tuning = results.setdefault("sasrec_tuning", {})
@@ -253,20 +256,22 @@ def run_sasrec(b: Bench, seed: int, results: dict[str, Any], args: Any) -> dict[
         if s.label() in tuning:
             continue
         trainer, info = sasrec.fit(n, train, validation, s)
-        info["test"] = _metrics(trainer.scores(test_queries), b.test_set)
+        info["test_without_refit"] = _metrics(trainer.scores(test_queries), b.test_set)
         tuning[s.label()] = info
         log.info("%s sasrec %s: %s", b.name, s.label(), info["validation_ndcg_at_10"])
         _save(args, results)
     label = max(tuning, key=lambda k: tuning[k]["validation_ndcg_at_10"])
-    chosen = replace(sasrec.Settings(**tuning[label]["settings"]), seed=seed)
-    if chosen.seed == tuning[label]["settings"]["seed"]:
-        info = tuning[label]  # this very fit
-    else:
-        trainer, info = sasrec.fit(n, train, validation, chosen)
-        info["test"] = _metrics(trainer.scores(test_queries), b.test_set)
+    chosen = tuning[label]
+    settings = replace(sasrec.Settings(**chosen["settings"]), seed=seed)
+    start = time.perf_counter()
+    trainer = sasrec.refit(n, b.sequences(list(range(len(b.split.users))), True), settings,
+                           chosen["best_epoch"])  # fmt: skip
     return {
-        **info, "label": chosen.label(),
-        "validation": {"ndcg_at_10": info["validation_ndcg_at_10"]},
+        "label": label, "settings": asdict(settings), "best_epoch": chosen["best_epoch"],
+        "refit_seconds": round(time.perf_counter() - start, 1),
+        "validation": {"ndcg_at_10": chosen["validation_ndcg_at_10"]},
+        "test_without_refit": chosen.get("test_without_refit", chosen.get("test")),
+        "test": _metrics(trainer.scores(test_queries), b.test_set),
     }  # fmt: skip
 
 
@@ -285,9 +290,14 @@ def pipeline_config(b: Bench, base: Path, log_csv: Path, seed: int) -> dict[str,
     return raw
 
 
-def write_log_without_test(b: Bench, path: Path) -> dt.date:
-    """The log minus every test row, as the CSV the pipeline reads; returns the run date."""
+def write_log_without_test(b: Bench, path: Path, stage: str = "test") -> dt.date:
+    """The log minus every test row (and, to score the validation item the way the test
+    item is scored, every validation row), as the CSV the pipeline reads; returns the run
+    date."""
     keep = ~b.split.test_rows
+    if stage == "validation":
+        assert b.split.validation_rows is not None
+        keep &= ~b.split.validation_rows
     with path.open("w", newline="") as f:
         writer = csv.writer(f)
         writer.writerow(["user_id", "item_id", "timestamp"])
@@ -301,11 +311,12 @@ def write_log_without_test(b: Bench, path: Path) -> dt.date:
 class Ours:
     """The project's stages on the log without test rows; one data folder, a run per seed."""
 
-    def __init__(self, b: Bench, root: Path) -> None:
-        self.b, self.root = b, root
+    def __init__(self, b: Bench, root: Path, stage: str = "test") -> None:
+        self.b, self.root, self.stage = b, root, stage
         root.mkdir(parents=True, exist_ok=True)
         self.log_csv = root / "log.csv"
-        self.date = write_log_without_test(b, self.log_csv)
+        self.date = write_log_without_test(b, self.log_csv, stage)
+        self.scored = b.val_set if stage == "validation" else b.test_set
         self.workdir = Workdir(root / "work")
         self.data: dict[str, Path] = {}
 
@@ -323,9 +334,14 @@ class Ours:
         train_seconds = time.perf_counter() - start
         # The pipeline's own test item is the protocol's validation item (the log it was given
         # ends before the protocol's test item): its evaluate stage is ours' validation score.
+        # With --stage validation the log also lacks the validation rows, and the validation
+        # item is scored from the Parquet files like the test item (the evaluate stage's item
+        # is then the one before it).
         _, report = stages.evaluate(config, self.workdir, self.date, run_dir.name)
         exported = stages.export(config, self.workdir, self.date, run_dir.name, verify=False)
         scores, missing = self.parquet_scores(exported.embeddings)
+        evaluated = {k: round(report["model"][k], 4) for k in REPORTED}
+        scored = _metrics(scores, self.scored)
         return {
             "config": str(base.relative_to(REPO) if base.is_relative_to(REPO) else base),
             "seed": seed,
@@ -335,11 +351,14 @@ class Ours:
             "epochs_run": len(result.epoch_seconds),
             "best_epoch": result.best_epoch,
             "refit_epochs": result.refit_epochs,
-            "validation": {k: round(report["model"][k], 4) for k in REPORTED},
+            **(
+                {"pipeline_evaluate": evaluated, "validation": scored}
+                if self.stage == "validation"
+                else {"validation": evaluated, "test": scored}
+            ),
             "export_version": exported.version,
-            "test_users_missing_from_users_parquet": missing["users"],
+            "scored_users_missing_from_users_parquet": missing["users"],
             "catalog_items_missing_from_items_parquet": missing["items"],
-            "test": _metrics(scores, self.b.test_set),
         }
 
     def tune(self, base: Path, trials: int, keep: Path) -> tuple[Path, dict[str, Any]]:
@@ -372,19 +391,19 @@ class Ours:
         return tuned, summary
 
     def parquet_scores(self, files: dict[str, Path]) -> tuple[ev.ScoreFn, dict[str, int]]:
-        """Test users' vectors from users.parquet against items.parquet, in catalog order.
+        """Scored users' vectors (test, or validation) from users.parquet against items.parquet.
 
         A catalog item the export lacks (seen only in rows the pipeline held out) gets -inf:
-        it cannot be retrieved. A test user the export lacks would score zeros (counted).
+        it cannot be retrieved. A scored user the export lacks would score zeros (counted).
         """
         user_ids, user_vectors, _ = read_embeddings(files["users"])
         item_ids, item_vectors, _ = read_embeddings(files["items"])
         user_row = {u: i for i, u in enumerate(user_ids)}
         item_row = {i: r for r, i in enumerate(item_ids)}
         dim = item_vectors.shape[1]
-        queries = np.zeros((len(self.b.test_set.users), dim), np.float32)
+        queries = np.zeros((len(self.scored.users), dim), np.float32)
         missing_users = 0
-        for r, u in enumerate(self.b.test_set.users):
+        for r, u in enumerate(self.scored.users):
             if u in user_row:
                 queries[r] = user_vectors[user_row[u]]
             else:
@@ -454,7 +473,7 @@ def run_dataset(name: str, args: Any) -> dict[str, Any]:
                 start = time.perf_counter()
                 try:
                     if model in ("ours", "ours_tuned"):
-                        ours = ours or Ours(b, Path(tmp))
+                        ours = ours or Ours(b, Path(tmp), args.stage)
                         base = Path(args.config)
                         if model == "ours_tuned" and args.tuned:
                             base = Path(args.tuned)
@@ -481,7 +500,7 @@ def run_dataset(name: str, args: Any) -> dict[str, Any]:
                 out["load_average_1min"] = round(os.getloadavg()[0], 1)
                 runs[key] = out
                 results.get("errors", {}).pop(key, None)
-                log.info("%s %s test %s", name, key, out["test"])
+                log.info("%s %s %s %s", name, key, args.stage, out.get(args.stage))
                 _save(args, results)
     results["finished"] = dt.datetime.now(dt.UTC).isoformat(timespec="seconds")
     _save(args, results)
@@ -491,8 +510,8 @@ def run_dataset(name: str, args: Any) -> dict[str, Any]:
 def merge(paths: list[Path]) -> dict[str, Any]:
     """One dataset's results from several processes' JSON files (first file's header).
 
-    SASRec's seed-0 result is re-chosen among all candidates by validation NDCG@10, and
-    other seeds' SASRec runs are kept only when they used the chosen settings.
+    SASRec's settings are re-chosen among all candidates by validation NDCG@10, and SASRec
+    runs (refits) are kept only when they used the chosen settings.
     """
     parts = [json.loads(p.read_text()) for p in paths]
     merged = {k: v for k, v in parts[0].items() if k not in ("runs", "errors")}
@@ -513,15 +532,15 @@ def merge(paths: list[Path]) -> dict[str, Any]:
         runs = merged["runs"]
         for key in [k for k in runs if k.startswith("sasrec/") and runs[k]["label"] != best]:
             del runs[key]
-        runs["sasrec/seed0"] = {
-            **tuning[best], "label": best,
-            "validation": {"ndcg_at_10": tuning[best]["validation_ndcg_at_10"]},
-        }  # fmt: skip
     return merged
 
 
-def table(results: dict[str, Any]) -> str:
-    """Markdown: mean (and spread over seeds) of every reported metric per model."""
+def table(results: dict[str, Any], stage: str = "test") -> str:
+    """Markdown: mean (and spread over seeds) of every reported metric per model.
+
+    `stage` validation tabulates the runs' validation metrics (a model lacking one is left
+    out): for ours, the validation item scored from the Parquet files (`--stage validation`).
+    """
     names = {
         "popularity": "popularity", "ease": "EASE", "als": "implicit ALS",
         "sasrec": "SASRec (full-softmax CE)", "ours": "ours, default config",
@@ -531,12 +550,16 @@ def table(results: dict[str, Any]) -> str:
     lines = [header, "|---|---:|" + "---:|" * len(REPORTED)]
     runs = results.get("runs", {})
     for model, label in names.items():
-        per_seed = [v for k, v in runs.items() if k.split("/")[0] == model]
+        per_seed = [
+            v
+            for k, v in runs.items()
+            if k.split("/")[0] == model and set(REPORTED) <= set(v.get(stage, {}))
+        ]
         if not per_seed:
             continue
         cells = []
         for metric in REPORTED:
-            values = [r["test"][metric] for r in per_seed]
+            values = [r[stage][metric] for r in per_seed]
             mean = statistics.fmean(values)
             spread = f" ± {statistics.stdev(values):.4f}" if len(values) > 1 else ""
             cells.append(f"{mean:.4f}{spread}")
@@ -568,6 +591,11 @@ def main() -> int:
         "--sasrec-candidates", nargs="+", type=int,
         help="indices of the SASRec settings to try in this process (default: the first N)",
     )  # fmt: skip
+    parser.add_argument(
+        "--stage", choices=("test", "validation"), default="test",
+        help="validation: ours' pipeline gets the log without its validation and test rows and "
+        "is scored on the validation item, exactly as on the test item (to choose settings)",
+    )  # fmt: skip
     parser.add_argument("--out", help="results JSON (one dataset only)")
     parser.add_argument("--resume", action="store_true", help="keep results already in the JSON")
     parser.add_argument("--table", action="store_true", help="print the tables of saved results")
@@ -582,7 +610,7 @@ def main() -> int:
         merged = merge([Path(p) for p in args.merge])
         args.current_out = out_path(args.data[0], args.out)
         _save(args, merged)
-        print(table(merged))
+        print(table(merged, args.stage))
         return 0
     for name in args.data:
         if args.table:
@@ -590,7 +618,7 @@ def main() -> int:
         else:
             results = run_dataset(name, args)
         print(f"\n{name}: {results['data']}\n{results.get('command', '')}\n")
-        print(table(results))
+        print(table(results, args.stage))
     return 0
 
 

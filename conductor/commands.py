@@ -283,6 +283,11 @@ def _print_metrics(report: dict[str, Any]) -> None:
     names = [k for k in model if k != "eval_users"]
     header = f"{'metric':<16}{'model':>10}" + "".join(f"{b:>12}" for b in baselines)
     print(f"test metrics ({int(model.get('eval_users', 0))} users; {report.get('protocol', '')})")
+    if report.get("evaluated_model") == "eval_model":
+        print(
+            "             model = the evaluation fit (train split); the served refit also "
+            "trained on the test split (training.refit: all)"
+        )
     print(header)
     for name in names:
         row = f"{name:<16}{model[name]:>10.4f}"

@@ -22,7 +22,7 @@ from mlflow import MlflowClient
 
 from recsys.core.config import RecsysConfig
 from recsys.core.errors import StageNotReadyError, TrackingError
-from recsys.core.layout import DataFile, ModelFile, RunFile, Workdir, missing_inputs
+from recsys.core.layout import DataFile, ModelFile, RunDir, RunFile, Workdir, missing_inputs
 from recsys.core.redact import redact_text, redact_tree
 from recsys.model_evaluation import evaluate_model
 from recsys.tracking import gate, registry
@@ -42,6 +42,8 @@ log = logging.getLogger(__name__)
 
 PENDING = RunFile.PENDING
 EMBEDDINGS_ARTIFACTS = "embeddings"
+EVALUATION_MODEL_ARTIFACT = "evaluation_model"
+"""training.refit all: the first fit, which a later gate scores in place of the served model."""
 GATE_JSON = RunFile.GATE
 # Where the champion's per-user values on today's data are written (and logged).
 GATE_DIR = "gate"
@@ -144,6 +146,9 @@ def _publish(
         run_dir / RunFile.EXPORT,
         (run_dir / RunFile.MODEL, "trained_model"),
     ]
+    evaluated = RunDir(run_dir).evaluated_model
+    if evaluated.name == RunFile.EVAL_MODEL:
+        artifacts.append((evaluated, EVALUATION_MODEL_ARTIFACT))
     # The embeddings' own manifest (dim, hashes, checksums: serving_export.manifest), not the
     # vectors: they can be large and live in the workdir's embeddings/<version>/.
     if exported.get("embeddings_manifest"):
@@ -154,6 +159,9 @@ def _publish(
     tags = {
         "run_dir": str(run_dir.resolve()),
         "model_path": str((run_dir / RunFile.MODEL).resolve()),
+        # The model a later gate scores as champion (the served one unless it saw the test).
+        "evaluated_model": evaluated.name,
+        "evaluated_model_path": str(evaluated.resolve()),
         "data_dir": str(data_dir.resolve()),
         "model_version": str(exported["version"]),
         **{f"device.{k}": str(v) for k, v in state["device"].items()},
@@ -236,7 +244,7 @@ def _gate_against(
         if model_dir is None:
             reason = (
                 f"champion version {champion.version}: its model is neither at its run folder "
-                "nor in its run's artifacts (trained_model/); cannot compare"
+                "nor in its run's artifacts (trained_model/, evaluation_model/); cannot compare"
             )
             return gate.not_compared_decision(reason, force=force)
         try:
@@ -277,12 +285,21 @@ def evaluate_champion(
 
 
 def _champion_model(client: MlflowClient, run_id: str, tmp: Path) -> Path | None:
-    """The champion's model folder: its run folder when present, else its logged copy."""
-    path = client.get_run(run_id).data.tags.get("model_path")
+    """The champion's evaluation model: its run folder's when present, else the logged copy.
+
+    That is the served model, unless the champion refitted on its test split too
+    (training.refit all): then its first fit, which never saw those items; today's test
+    items are mostly the same users' same last items, so the served one would score them
+    as remembered.
+    """
+    tags = client.get_run(run_id).data.tags
+    separate = tags.get("evaluated_model") == RunFile.EVAL_MODEL
+    path = tags.get("evaluated_model_path" if separate else "model_path")
     if path and (Path(path) / ModelFile.CONFIG).is_file():
         return Path(path)
+    artifact = EVALUATION_MODEL_ARTIFACT if separate else "trained_model"
     try:
-        downloaded = Path(client.download_artifacts(run_id, "trained_model", str(tmp)))
+        downloaded = Path(client.download_artifacts(run_id, artifact, str(tmp)))
     except TRACKING_FAILURES as exc:
         log.warning("champion model of run %s unavailable: %s", run_id, exc)
         return None

@@ -35,6 +35,7 @@ from recsys.core.faults import fault_point
 from recsys.core.layout import (
     DataFile,
     EmbeddingsFile,
+    RunDir,
     RunFile,
     Workdir,
     mark_complete,
@@ -154,6 +155,8 @@ def train(
         return None, result
     shutil.rmtree(backup, ignore_errors=True)  # Keras empties it after a finished run
     result.model.save(run_dir / RunFile.MODEL)
+    if result.evaluation_model is not None:
+        result.evaluation_model.save(run_dir / RunFile.EVAL_MODEL)
     _write_json(run_dir / RunFile.HISTORY, result.history)
     _write_json(
         run_dir / RunFile.TRAIN,
@@ -169,6 +172,11 @@ def train(
             "best_epoch": result.best_epoch,
             "refit_epochs": result.refit_epochs,
             "refit_seconds": result.refit_seconds,
+            "refit_splits": list(result.refit_splits),
+            # What metrics.json scores: the served model, or the first fit (refit all).
+            "evaluated_model": str(
+                RunFile.EVAL_MODEL if result.evaluation_model is not None else RunFile.MODEL
+            ),
             "config_digest": config.digest(),
             "data_fingerprint": _read_json(data_dir / DataFile.STATS).get("fingerprint"),
         },
@@ -229,13 +237,16 @@ def evaluate(
     """Exact test-set evaluation of a run next to the popularity baseline (same protocol)."""
     run_dir = _run_dir(workdir, date, run_id)
     data_dir = run_data_dir(run_dir)
-    log.info("evaluate: %s on %s (test split)", run_dir.name, data_dir)
-    eval_set, result = evaluate_model(config, run_dir / RunFile.MODEL, data_dir)
+    model_dir = RunDir(run_dir).evaluated_model
+    log.info("evaluate: %s (%s) on %s (test split)", run_dir.name, model_dir.name, data_dir)
+    eval_set, result = evaluate_model(config, model_dir, data_dir)
     result.write_per_user(run_dir / RunFile.PER_USER_EVAL, eval_set.users)
     counts = pq.read_table(data_dir / DataFile.ITEM_FEATURES)["train_count"].to_numpy()
     baseline = ev.evaluate(ev.popularity_scores(np.asarray(counts)), eval_set, config.evaluation)
     report = {
         "protocol": "leave-last-out test item; train+validation items removed; full catalog",
+        # eval_model: the run serves a refit that also trained on the test split.
+        "evaluated_model": model_dir.name,
         "model": result.metrics,
         "baselines": {"popularity": baseline.metrics},
         # 95% intervals over users; of the whole test population's metric when sampled.

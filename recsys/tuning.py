@@ -87,7 +87,7 @@ def trial_config(config: RecsysConfig, params: dict[str, Any]) -> RecsysConfig:
     values = {
         **params,
         "training.early_stopping_metric": config.tune.metric,
-        "training.refit": False,
+        "training.refit": "off",
     }
     history = params.get("model.history_length", config.model.history_length)
     values["preprocess.history_length"] = max(config.preprocess.history_length, int(history))

@@ -87,6 +87,12 @@ def test_sasrec_learns_a_deterministic_sequence_pattern() -> None:
     assert accuracy > 0.9, (accuracy, info["curve"])
     # Popularity cannot do this: every item is equally frequent (chance = 1/30).
     assert info["validation_ndcg_at_10"] > 0.9
+    # The refit (train + validation sequences, the kept epoch count, no evaluation) is a
+    # fresh model that learns the same rule.
+    refitted = sasrec.refit(n, train + held_out, settings, info["best_epoch"])
+    assert refitted is not trainer
+    again = refitted.scores(history)(np.arange(50))
+    assert float(np.mean(again.argmax(axis=1) == data.targets)) > 0.9
 
 
 def test_ours_is_scored_from_the_exported_parquet_files(tmp_path: Path) -> None:
@@ -127,6 +133,25 @@ def test_ours_is_scored_from_the_exported_parquet_files(tmp_path: Path) -> None:
     got = scores(np.arange(2))
     np.testing.assert_allclose(got[0], [1.0, -1.0, 0.5, 0.0, -np.inf])  # catalog order
     np.testing.assert_allclose(got[1, :4], 0.0)
+
+
+def test_ours_validation_stage_holds_out_validation_rows_too(tmp_path: Path) -> None:
+    """--stage validation: neither validation nor test rows reach the pipeline; the
+    validation item is the scored one, with only the training items known."""
+    from benchmarks import quality
+
+    path = tmp_path / "ratings.csv"
+    rows = [("1", str(i), t) for t, i in enumerate([10, 11, 12, 13, 14], 1)]
+    rows += [("2", str(i), t) for t, i in enumerate([12, 11, 10, 14, 15], 1)]
+    path.write_text("userId,movieId,timestamp\n" + "".join(f"{u},{i},{t}\n" for u, i, t in rows))
+    bench = quality.Bench(str(path))
+    ours = quality.Ours(bench, tmp_path / "ours", stage="validation")
+    written = (tmp_path / "ours" / "log.csv").read_text().splitlines()
+    assert len(written) == 1 + 6
+    for held_out in ("1,13,4", "1,14,5", "2,14,4", "2,15,5"):
+        assert held_out not in written
+    assert ours.scored is bench.val_set
+    assert [bench.split.catalog[t] for t in ours.scored.targets] == ["13", "14"]
 
 
 def test_implicit_als_reference_ranks_each_users_own_block_first() -> None:

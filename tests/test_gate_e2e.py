@@ -1,8 +1,9 @@
 """End to end against a real server: two nightly runs, the second gated against the first.
 
-The first run (1 epoch) becomes champion; the second (3 epochs: another config, so another
-MLflow run) is gated against it on the same test split, the champion re-evaluated from its run
-folder. Then `recsys compare v1 v2` reports on both.
+The first run (1 epoch, `training.refit: all`) becomes champion; the second (3 epochs: another
+config, so another MLflow run) is gated against it on the same test split, the champion
+re-evaluated from its run folder: its first fit, not the served refit that trained on those
+test items. Then `recsys compare v1 v2` reports on both.
 """
 
 from __future__ import annotations
@@ -29,11 +30,11 @@ DAY1 = DAY2 = SMALL_DATE  # SMALL rejects rows after its date: both nights use i
 MODEL = "e2e-model"
 
 
-def _config(root: Path, uri: str, epochs: int) -> Path:
+def _config(root: Path, uri: str, epochs: int, refit: str = "off") -> Path:
     raw = {
         **SMALL,
         "model_name": MODEL,
-        "training": {**SMALL["training"], "epochs": epochs},
+        "training": {**SMALL["training"], "epochs": epochs, "refit": refit},
         "tracking": {"uri": uri, "retries": 2, "backoff_seconds": 0.2},
         "gate": {"bootstrap_samples": 500},
     }
@@ -57,8 +58,8 @@ def two_nights(
     root = tmp_path_factory.mktemp("e2e")
     work = root / "work"
     outputs = []
-    for date, epochs in ((DAY1, 1), (DAY2, 3)):
-        config = _config(root, server.uri, epochs)
+    for date, epochs, refit in ((DAY1, 1, "all"), (DAY2, 3, "off")):
+        config = _config(root, server.uri, epochs, refit)
         printed = io.StringIO()
         with contextlib.redirect_stdout(printed):
             code = cli.main(
@@ -101,7 +102,12 @@ def test_second_night_is_gated_against_the_first(
     assert second.data.metrics["gate_promoted"] == float(gate["promote"])
 
     # The champion was evaluated on today's test split exactly as `recsys evaluate` does it:
-    # both nights share the date, so it must reproduce the champion's own evaluation.
+    # both nights share the date, so it must reproduce the champion's own evaluation, which
+    # scored its first fit (refit all: the served model also trained on the test split).
+    assert first.data.tags["evaluated_model"] == "eval_model"
+    assert second.data.tags["evaluated_model"] == "model"
+    logged_models = {a.path for a in client.list_artifacts(first.info.run_id)}
+    assert {"trained_model", "evaluation_model"} <= logged_models
     run1, run2 = Path(first.data.tags["run_dir"]), Path(second.data.tags["run_dir"])
     assert first.data.tags["data_dir"] == second.data.tags["data_dir"]
     logged = pq.read_table(run2 / "gate" / "champion_per_user_eval.parquet").to_pydict()

@@ -74,3 +74,25 @@ def test_evaluate_writes_metrics_and_per_user_values(
     assert np.mean(per_user["recall_at_10"].to_numpy()) == pytest.approx(
         report["model"]["recall_at_10"]
     )
+
+
+def test_refit_all_run_serves_the_refit_and_evaluates_the_first_fit(
+    prepared: tuple[RecsysConfig, Workdir, Path],
+) -> None:
+    """The test split reaches the served model only: metrics.json scores `eval_model`."""
+    from recsys.model_evaluation import evaluate_model
+
+    config, workdir, data_dir = prepared
+    training = config.training.model_copy(update={"refit": "all", "epochs": 1})
+    config = config.model_copy(update={"training": training})
+    run_dir, _ = stages.train(config, workdir, DATE)
+    assert run_dir is not None and (run_dir / "eval_model").is_dir()
+    served, first = TrainedModel.load(run_dir / "model"), TrainedModel.load(run_dir / "eval_model")
+    assert not np.allclose(served.item_embeddings(), first.item_embeddings())
+    _, report = stages.evaluate(config, workdir, DATE, run_dir.name)
+    assert report["evaluated_model"] == "eval_model"
+    _, of_first = evaluate_model(config, run_dir / "eval_model", data_dir)
+    _, of_served = evaluate_model(config, run_dir / "model", data_dir)
+    assert report["model"]["recall_at_50"] == pytest.approx(of_first.metrics["recall_at_50"])
+    # The served model trained on these very test items: it must not be what is reported.
+    assert of_served.metrics["recall_at_50"] != pytest.approx(of_first.metrics["recall_at_50"])

@@ -273,12 +273,9 @@ def test_out_of_memory_names_the_batch_size(
         trainer.train(config, data_dir)
 
 
-def test_early_stopping_keeps_the_best_epoch(
-    prepared: tuple[RecsysConfig, Workdir, Path], monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """Validation recall 0.1, 0.3, 0.2, 0.2: stops after epoch 4 (patience 2), keeps epoch 2."""
-    config, _, data_dir = prepared
-    scores = iter([0.1, 0.3, 0.2, 0.2, 0.9, 0.9])
+def _scripted_validation(monkeypatch: pytest.MonkeyPatch, values: list[float]) -> list[np.ndarray]:
+    """Validation scores in the given order; the item table at each epoch's end is recorded."""
+    scores = iter(values)
     snapshots: list[np.ndarray] = []
 
     def scripted(self: trainer.ValidationRecall) -> float:
@@ -286,6 +283,15 @@ def test_early_stopping_keeps_the_best_epoch(
         return next(scores)
 
     monkeypatch.setattr(trainer.ValidationRecall, "score", scripted)
+    return snapshots
+
+
+def test_early_stopping_keeps_the_best_epoch(
+    prepared: tuple[RecsysConfig, Workdir, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Validation recall 0.1, 0.3, 0.2, 0.2: stops after epoch 4 (patience 2), keeps epoch 2."""
+    config, _, data_dir = prepared
+    snapshots = _scripted_validation(monkeypatch, [0.1, 0.3, 0.2, 0.2, 0.9, 0.9])
     cfg = with_updates(config, training={"epochs": 6, "early_stopping_patience": 2})
     result = trainer.train(cfg, data_dir)
     assert result.history["val_recall_at_50"] == [0.1, 0.3, 0.2, 0.2]
@@ -299,14 +305,7 @@ def test_refit_trains_the_chosen_epochs_on_train_and_validation(
 ) -> None:
     """Early stopping keeps epoch 2 of 4; the refit then runs 2 epochs over both splits."""
     config, _, data_dir = prepared
-    scores = iter([0.1, 0.3, 0.2, 0.2])
-    snapshots: list[np.ndarray] = []
-
-    def scripted(self: trainer.ValidationRecall) -> float:
-        snapshots.append(self.trained.candidate_tower.embedding.embeddings.numpy().copy())
-        return next(scores)
-
-    monkeypatch.setattr(trainer.ValidationRecall, "score", scripted)
+    snapshots = _scripted_validation(monkeypatch, [0.1, 0.3, 0.2, 0.2])
     epochs_logged: list[int] = []
     monkeypatch.setattr(
         trainer.EpochLogger, "on_epoch_end", lambda self, epoch, logs=None: epochs_logged.append(1)
@@ -320,6 +319,35 @@ def test_refit_trains_the_chosen_epochs_on_train_and_validation(
     assert result.history["val_recall_at_50"] == [0.1, 0.3, 0.2, 0.2]  # the first fit's
     refit = result.model.candidate_tower.embedding.embeddings.numpy()
     assert not np.allclose(refit, snapshots[1])  # a new model, not the kept first fit
+    assert result.refit_splits == ("train", "validation")
+    assert result.evaluation_model is None  # the served refit never saw the test split
+
+
+def test_refit_all_also_trains_on_test_and_keeps_the_first_fit_for_evaluation(
+    prepared: tuple[RecsysConfig, Workdir, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`refit: all` serves a refit on every split; the first fit stays the evaluation model."""
+    config, _, data_dir = prepared
+    snapshots = _scripted_validation(monkeypatch, [0.1, 0.3, 0.2, 0.2])
+    cfg = with_updates(config, training={"epochs": 6, "early_stopping_patience": 2, "refit": "all"})
+    result = trainer.train(cfg, data_dir)
+    splits = json.loads((data_dir / DataFile.STATS).read_text())["splits"]
+    assert splits["test"] > 0
+    assert result.refit_splits == ("train", "validation", "test")
+    assert result.refit_examples == 2 * (splits["train"] + splits["validation"] + splits["test"])
+    assert result.evaluation_model is not None
+    first = result.evaluation_model.candidate_tower.embedding.embeddings.numpy()
+    np.testing.assert_array_equal(first, snapshots[1])  # the first fit's kept epoch
+    served = result.model.candidate_tower.embedding.embeddings.numpy()
+    assert not np.allclose(served, first)
+
+
+@pytest.mark.parametrize(
+    ("given", "mode"), [(True, "validation"), (False, "off"), ("all", "all"), ("off", "off")]
+)
+def test_refit_setting_reads_old_booleans(given: object, mode: str) -> None:
+    """Configs written before `refit: all` existed (true / false) keep their meaning."""
+    assert parse_config({"training": {"refit": given}}).training.refit == mode
 
 
 class Killed(Exception):

@@ -159,6 +159,6 @@ def test_trials_train_without_the_refit_their_score_would_leak_into(tmp_path: Pa
     # the written best config keeps the base config's refit for the nightly.
     base = parse_config({"training": {"refit": True, "early_stopping_patience": 2}})
     trial = tuning.trial_config(base, {"model.embedding_dim": 16})
-    assert trial.training.refit is False and trial.model.embedding_dim == 16
+    assert trial.training.refit == "off" and trial.model.embedding_dim == 16
     best = load_config(tuning.write_config(base, {"model.embedding_dim": 16}, tmp_path / "b.yaml"))
-    assert best.training.refit is True and best.model.embedding_dim == 16
+    assert best.training.refit == "validation" and best.model.embedding_dim == 16

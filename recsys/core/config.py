@@ -315,6 +315,14 @@ class ModelConfig(_Strict):
     negative_sampler: Literal["uniform", "popularity"] = "uniform"
 
 
+REFIT_SPLITS: dict[str, tuple[str, ...]] = {
+    "off": (),
+    "validation": ("train", "validation"),
+    "all": ("train", "validation", "test"),
+}
+"""`training.refit` -> the splits the served model is refitted on."""
+
+
 class TrainingConfig(_Strict):
     """Optimisation settings."""
 
@@ -356,11 +364,14 @@ class TrainingConfig(_Strict):
     # Early stopping on exact validation metrics (0: off); the best epoch's weights are kept.
     early_stopping_patience: int = Field(0, ge=0, le=MAX_COUNT)
     # After the first fit chose its epoch count on the validation split, train a fresh model
-    # (same seed) that many epochs on the train and validation splits together and keep it:
-    # each user's newest training-time interaction then reaches the model, which matters most
-    # on sparse logs. The test split stays held out, so evaluation and the gate stay honest;
-    # training costs about twice as much (docs/TRAINING.md, "Refit").
-    refit: bool = False
+    # (same seed) that many epochs on more of the data and serve it (docs/TRAINING.md, "Refit"):
+    # each user's newest interactions then reach the model, which matters most on sparse logs.
+    # validation (or true): on train + validation; that model is also the one evaluated, the
+    # test split stays held out. all: on train + validation + test, every interaction the run
+    # was given; the first fit (train split only) is then the evaluation model, scored by the
+    # evaluate stage and the gate (`<run>/eval_model`), since the served one saw the test
+    # items. off (or false): the first fit is served. A refit costs about a second fit.
+    refit: Literal["off", "validation", "all"] = "off"
     early_stopping_metric: str = Field("recall_at_50", pattern=r"^(recall|ndcg|mrr)_at_\d+$")
     # A previous run's model dir (e.g. the champion's): initialise from its weights, rows
     # mapped by id when the vocabularies changed.
@@ -370,6 +381,19 @@ class TrainingConfig(_Strict):
     @classmethod
     def _path_without_nul(cls, value: str | None) -> str | None:
         return no_nul(value)
+
+    @field_validator("refit", mode="before")
+    @classmethod
+    def _refit_from_bool(cls, value: object) -> object:
+        # Configs written before `all` existed say true / false.
+        if value is True:
+            return "validation"
+        return "off" if value is False else value
+
+    @property
+    def refit_splits(self) -> tuple[str, ...]:
+        """The splits a refit trains on (empty: no refit)."""
+        return REFIT_SPLITS[self.refit]
 
 
 class EvaluationConfig(_Strict):

@@ -61,6 +61,9 @@ class RunFile(StrEnum):
     """The files of one training run folder (`runs/<date>/<run_id>/`)."""
 
     MODEL = "model"
+    # Only with training.refit all: the first fit (never trained on the test split), which the
+    # evaluate stage and the gate score; `model` (trained on every split) is the one served.
+    EVAL_MODEL = "eval_model"
     CONFIG = "config.yaml"
     HISTORY = "history.json"
     TRAIN = "train.json"
@@ -150,6 +153,12 @@ class RunDir:
     @property
     def model_json(self) -> Path:
         return self.model / ModelFile.CONFIG
+
+    @property
+    def evaluated_model(self) -> Path:
+        """The model the evaluate stage and the gate score: `eval_model` if the run has one."""
+        separate = self.path / RunFile.EVAL_MODEL
+        return separate if separate.is_dir() else self.model
 
     @property
     def config(self) -> Path:

@@ -121,7 +121,7 @@ def _permuted_batches(
 
 
 def split_names(split: str | Sequence[str]) -> list[str]:
-    """One split's name, or several splits read as one (a refit's train + validation)."""
+    """One split's name, or several splits read as one (a refit's splits)."""
     return [split] if isinstance(split, str) else list(split)
 
 

@@ -75,12 +75,16 @@ class TrainResult:
     chief: bool = True
     jit_compile: bool = False
     cached: bool = False
-    # training.refit: the kept model is a second fit on train + validation for this many
-    # epochs (the first fit's `best_epoch`, or training.epochs without early stopping);
-    # history and examples are the first fit's.
+    # training.refit: the kept model is a second fit on `refit_splits` for this many epochs
+    # (the first fit's `best_epoch`, or training.epochs without early stopping); history and
+    # examples are the first fit's.
     refit_epochs: int | None = None
     refit_examples: int = 0
     refit_seconds: float = 0.0
+    refit_splits: tuple[str, ...] = ()
+    # training.refit all: the first fit, which never saw the test split, is the model the
+    # evaluate stage and the gate score (the kept `model` trained on the test split).
+    evaluation_model: TrainedModel | None = None
 
     @property
     def examples_per_second(self) -> float:
@@ -547,7 +551,7 @@ def train(
         jit_compile=jit,
         cached=cached,
     )
-    if tc.refit and stats["splits"]["validation"]:
+    if tc.refit_splits and stats["splits"]["validation"]:
         result = _refit(config, data_dir, strategy, result, stats, previous)
     return result
 
@@ -573,9 +577,6 @@ def _fit_errors(tc: TrainingConfig, replicas: int, backup_dir: Path | None) -> I
         ) from None
 
 
-REFIT_SPLITS = ("train", "validation")
-
-
 def _refit(
     config: RecsysConfig,
     data_dir: Path,
@@ -584,22 +585,21 @@ def _refit(
     stats: dict[str, Any],
     previous: TrainedModel | None,
 ) -> TrainResult:
-    """A fresh model trained on train + validation for the epochs the first fit chose."""
+    """A fresh model trained on `training.refit_splits` for the epochs the first fit chose."""
     tc = config.training
+    splits = tc.refit_splits
     # Without early stopping every configured epoch ran (a resumed fit's history and timer
     # hold only the epochs after the resume, so they cannot count them).
     epochs = first.best_epoch or tc.epochs
-    log.info("refit: %d epoch(s) on the train and validation splits together", epochs)
+    log.info("refit: %d epoch(s) on the %s splits together", epochs, " + ".join(splits))
     tf.keras.utils.set_random_seed(tc.seed)
     with strategy.scope():
         trained, model = build_model(config, data_dir, first.precision, first.jit_compile)
         if previous is not None:
             warm_start(trained, previous)
-    counts = {"train": stats["splits"]["train"] + stats["splits"]["validation"]}
+    counts = {"train": sum(int(stats["splits"][name]) for name in splits)}
     cached = use_cache(tc.cache, counts, trained, strategy)
-    train_ds, _ = _datasets(
-        config, data_dir, trained, strategy, counts, cached, train_splits=REFIT_SPLITS
-    )
+    train_ds, _ = _datasets(config, data_dir, trained, strategy, counts, cached, splits)
     timer = EpochTimer()
     start = time.perf_counter()
     with _fit_errors(tc, first.replicas, None):
@@ -618,6 +618,8 @@ def _refit(
         refit_epochs=epochs,
         refit_examples=_examples_per_epoch(counts["train"], tc) * epochs,
         refit_seconds=time.perf_counter() - start,
+        refit_splits=splits,
+        evaluation_model=first.model if "test" in splits else None,
     )
 
 
@@ -660,8 +662,8 @@ def _datasets(
 ) -> tuple[tf.data.Dataset, tf.data.Dataset | None]:
     """Train and validation (None when empty) batches with a known number of steps.
 
-    `train_splits` are read as one training set (a refit's train + validation); `counts`
-    then holds their total under "train".
+    `train_splits` are read as one training set (a refit's splits); `counts` then holds
+    their total under "train".
     """
     tc = config.training
     if is_parameter_server(strategy):
