@@ -59,6 +59,38 @@ def test_sasrec_is_causal() -> None:
     assert not np.allclose(a[:, 5], b[:, 5])
 
 
+def test_sasrec_batch_trimmed_of_padding_columns_gives_the_same_outputs() -> None:
+    """Trainer.epoch drops the all-padding columns of a batch: each real position keeps
+    the output (and so the loss) it has in the full max_length window."""
+    model = sasrec.SASRec(20, sasrec.Settings(hidden=16, max_length=8, seed=0))
+    full = tf.constant([[0, 0, 0, 0, 3, 4, 5, 6], [0, 0, 0, 0, 0, 0, 7, 8]])
+    trimmed = full[:, -4:]
+    np.testing.assert_allclose(model(full).numpy()[:, -4:], model(trimmed).numpy(), atol=1e-5)
+
+
+def test_sasrec_length_batches_group_users_of_similar_length() -> None:
+    """length_batches: each batch holds users of neighbouring lengths (less padding); the
+    default draws uniformly random batches. Both pass over every user once."""
+    lengths = np.repeat([2, 9], 64)
+    targets = np.zeros((128, 10), np.int32)
+    for r, n in enumerate(lengths):
+        targets[r, -n:] = 1
+    inputs = targets.copy()
+    seen: dict[bool, list[np.ndarray]] = {}
+    for by_length in (False, True):
+        s = sasrec.Settings(hidden=8, blocks=1, max_length=10, batch_size=32,
+                            length_batches=by_length)  # fmt: skip
+        trainer = sasrec.Trainer(20, s)
+        batches: list[np.ndarray] = []
+        trainer.step = lambda seq, target, out=batches: (out.append(target.numpy()), 0.0)[1]
+        trainer.epoch(inputs, targets, np.random.default_rng(0))
+        seen[by_length] = batches
+        assert sum(len(b) for b in batches) == 128
+    assert all(len({int(v) for v in (b > 0).sum(axis=1)}) == 1 for b in seen[True])
+    assert any(len({int(v) for v in (b > 0).sum(axis=1)}) == 2 for b in seen[False])
+    assert "-bylength" in sasrec.Settings(length_batches=True).label()
+
+
 def test_sasrec_learns_a_deterministic_sequence_pattern() -> None:
     """Every user walks the catalog in steps of +3 (mod 30): the next item is certain."""
     rng = np.random.default_rng(0)
