@@ -84,7 +84,11 @@ class Progress:
 
 
 class KerasProgress(tf.keras.callbacks.Callback):
-    """Training steps over all epochs as a Progress (the total comes from Keras' params)."""
+    """Training steps over all epochs as a Progress (the total comes from Keras' params).
+
+    One instance follows every fit it is given to: the first is the `train` line, a later one
+    (`training.refit`'s second fit) the `refit` line, each with its own total and ETA.
+    """
 
     def __init__(self, stream: TextIO | None = None, interval: float = 30.0) -> None:
         super().__init__()
@@ -92,11 +96,15 @@ class KerasProgress(tf.keras.callbacks.Callback):
         self._progress: Progress | None = None
         self._steps = 0
         self._epoch = 0
+        self._fits = 0
 
     def on_train_begin(self, logs: dict[str, Any] | None = None) -> None:
         steps, epochs = self.params.get("steps"), self.params.get("epochs") or 1
         total = steps * epochs if steps else None
-        self._progress = Progress("train", total, "steps", self._stream, self._interval)
+        stage = "train" if self._fits == 0 else "refit"
+        self._fits += 1
+        self._epoch = self._steps = 0
+        self._progress = Progress(stage, total, "steps", self._stream, self._interval)
 
     def on_epoch_begin(self, epoch: int, logs: dict[str, Any] | None = None) -> None:
         self._epoch = epoch

@@ -186,6 +186,17 @@ def test_ours_validation_stage_holds_out_validation_rows_too(tmp_path: Path) -> 
     assert [bench.split.catalog[t] for t in ours.scored.targets] == ["13", "14"]
 
 
+def test_sasrec_candidates_are_distinct_when_the_start_already_has_a_change() -> None:
+    """--sasrec-length-batches: the start batches by length, so that change is not re-tried."""
+    from benchmarks import quality
+
+    plain = quality.sasrec_candidates(sasrec.Settings(learning_rate=1e-3))
+    assert len(plain) == 7 and len(set(plain)) == 7
+    batched = quality.sasrec_candidates(sasrec.Settings(learning_rate=1e-3, length_batches=True))
+    assert len(batched) == 6 and len(set(batched)) == 6
+    assert batched[0].length_batches and all(s.length_batches for s in batched)
+
+
 def test_implicit_als_reference_ranks_each_users_own_block_first() -> None:
     # Two user groups with disjoint tastes (items 0-4, items 5-9): every user's ALS scores
     # must favour their group's unseen items over the other group's.

@@ -323,6 +323,23 @@ def test_refit_trains_the_chosen_epochs_on_train_and_validation(
     assert result.evaluation_model is None  # the served refit never saw the test split
 
 
+def test_the_progress_line_follows_the_refit_too(
+    prepared: tuple[RecsysConfig, Workdir, Path],
+) -> None:
+    """The nightly's progress callback reports the first fit, then the refit with its own total."""
+    import io
+
+    from conductor.progress import KerasProgress
+
+    config, _, data_dir = prepared
+    stream = io.StringIO()
+    cfg = with_updates(config, training={"epochs": 2, "refit": True})
+    trainer.train(cfg, data_dir, callbacks=[KerasProgress(stream, interval=3600)])
+    finals = [line for line in stream.getvalue().splitlines() if "epochs" in line]
+    assert [line.split()[1] for line in finals] == ["train:", "refit:"], finals
+    assert all("(100%)" in line and line.endswith("; 2 epochs") for line in finals), finals
+
+
 def test_refit_all_also_trains_on_test_and_keeps_the_first_fit_for_evaluation(
     prepared: tuple[RecsysConfig, Workdir, Path], monkeypatch: pytest.MonkeyPatch
 ) -> None:

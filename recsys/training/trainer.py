@@ -552,7 +552,7 @@ def train(
         cached=cached,
     )
     if tc.refit_splits and stats["splits"]["validation"]:
-        result = _refit(config, data_dir, strategy, result, stats, previous)
+        result = _refit(config, data_dir, strategy, result, stats, previous, extra)
     return result
 
 
@@ -584,8 +584,12 @@ def _refit(
     first: TrainResult,
     stats: dict[str, Any],
     previous: TrainedModel | None,
+    callbacks: list[tf.keras.callbacks.Callback],
 ) -> TrainResult:
-    """A fresh model trained on `training.refit_splits` for the epochs the first fit chose."""
+    """A fresh model trained on `training.refit_splits` for the epochs the first fit chose.
+
+    `callbacks` are the caller's (a progress line), given to both fits.
+    """
     tc = config.training
     splits = tc.refit_splits
     # Without early stopping every configured epoch ran (a resumed fit's history and timer
@@ -609,7 +613,7 @@ def _refit(
             steps_per_epoch=_steps(counts["train"], tc.batch_size, False)
             if is_parameter_server(strategy)
             else _capped(tc.max_steps_per_epoch or None, train_ds),
-            callbacks=[timer, EpochLogger(epochs)],
+            callbacks=[timer, EpochLogger(epochs), *callbacks],
             verbose=0,
         )
     return dataclasses.replace(
