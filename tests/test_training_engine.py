@@ -616,6 +616,56 @@ def test_killed_run_resumes_where_it_stopped(
     assert not (tmp_path / "backup").exists() or not any((tmp_path / "backup").rglob("*.index"))
 
 
+@pytest.mark.slow
+def test_run_killed_during_the_refit_keeps_its_first_fit_and_resumes_the_refit(
+    prepared: tuple[RecsysConfig, Workdir, Path], tmp_path: Path
+) -> None:
+    """SIGKILL after the refit's first epoch: the rerun trains neither the first fit again
+    nor the refit's finished epoch."""
+    config, _, data_dir = prepared
+    cfg = with_updates(config, training={"epochs": 4, "refit": "all"})
+    (tmp_path / "config.json").write_text(cfg.model_dump_json())
+    child = textwrap.dedent(
+        """
+        import json, logging, sys
+        import recsys
+        from pathlib import Path
+        from recsys.core.config import RecsysConfig
+        from recsys.training.trainer import train
+        logging.basicConfig(level=logging.INFO, stream=sys.stdout, format="%(message)s")
+        config = RecsysConfig.model_validate_json(Path(sys.argv[1]).read_text())
+        result = train(config, Path(sys.argv[2]), backup_dir=Path(sys.argv[3]))
+        print("RESULT " + json.dumps([result.history, result.refit_epochs]), flush=True)
+        print("EVAL", result.evaluation_model is not None, flush=True)
+        """
+    )
+    backup = tmp_path / "backup"
+    env = {**os.environ, "PYTHONPATH": str(REPO), "CUDA_VISIBLE_DEVICES": ""}
+    cmd = [sys.executable, "-c", child, str(tmp_path / "config.json"), str(data_dir), str(backup)]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, env=env)
+    deadline = time.monotonic() + 300
+    refit_checkpoint = backup / trainer.REFIT_BACKUP / "chief" / "checkpoint"
+    while not refit_checkpoint.exists() and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    assert refit_checkpoint.exists(), "the child never wrote a refit checkpoint"
+    assert (backup / "first_fit" / "result.json").is_file()
+    rerun = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300, check=False)
+    assert rerun.returncode == 0, rerun.stderr[-3000:]
+    lines = rerun.stdout.splitlines()
+    assert any("the first fit ended before the interruption" in ln for ln in lines)
+    refit_at = next(i for i, ln in enumerate(lines) if ln.startswith("refit: 4 epoch"))
+    assert not [ln for ln in lines[:refit_at] if ln.startswith("epoch ")]  # no first fit again
+    resumed = [
+        int(ln.split()[1].split("/")[0]) for ln in lines[refit_at:] if ln.startswith("epoch ")
+    ]
+    assert resumed and resumed[0] > 1 and resumed[-1] == 4, resumed
+    history, refit_epochs = json.loads(rerun.stdout.split("RESULT ", 1)[1].splitlines()[0])
+    assert len(history["loss"]) == 4 and refit_epochs == 4  # the kept first fit's record
+    assert "EVAL True" in rerun.stdout  # refit all: the kept first fit is the evaluation model
+
+
 def test_models_saved_by_the_first_ids_only_version_still_load(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

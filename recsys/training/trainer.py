@@ -15,7 +15,7 @@ import shutil
 import tempfile
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -51,53 +51,12 @@ from recsys.training.parameter_servers import (
     parameter_server_strategy,
     per_worker_dataset,
 )
+from recsys.training.result import TrainResult, load_first_fit, save_first_fit
 
 log = logging.getLogger(__name__)
 
 AUTO_CACHE_BYTES = 1 << 30
 """`training.cache: auto` keeps splits in memory up to this size (estimated, see dataset.py)."""
-
-
-@dataclass
-class TrainResult:
-    """What a training run produced."""
-
-    model: TrainedModel
-    history: dict[str, list[float]]
-    examples: int
-    seconds: float
-    strategy: str = "one_device"
-    replicas: int = 1
-    precision: str = "float32"
-    best_epoch: int | None = None
-    epoch_seconds: list[float] = field(default_factory=list)
-    # Whether this process is the one that writes the run's artefacts (multi-worker: the chief).
-    chief: bool = True
-    jit_compile: bool = False
-    cached: bool = False
-    # training.refit: the kept model is a second fit on `refit_splits` for this many epochs
-    # (the first fit's `best_epoch`, or training.epochs without early stopping); history and
-    # examples are the first fit's.
-    refit_epochs: int | None = None
-    refit_examples: int = 0
-    refit_seconds: float = 0.0
-    refit_splits: tuple[str, ...] = ()
-    # training.refit all: the first fit, which never saw the test split, is the model the
-    # evaluate stage and the gate score (the kept `model` trained on the test split).
-    evaluation_model: TrainedModel | None = None
-
-    @property
-    def examples_per_second(self) -> float:
-        return self.examples / self.seconds if self.seconds > 0 else 0.0
-
-    @property
-    def steady_examples_per_second(self) -> float:
-        """Training-loop throughput after the first epoch (which includes graph tracing)."""
-        later = self.epoch_seconds[1:] or self.epoch_seconds
-        if not later or not self.epoch_seconds:
-            return self.examples_per_second
-        per_epoch = self.examples / len(self.epoch_seconds)
-        return per_epoch * len(later) / sum(later)
 
 
 class EpochTimer(tf.keras.callbacks.Callback):
@@ -469,35 +428,82 @@ def train(
 
     `backup_dir` holds resumable checkpoints (tf.keras.callbacks.BackupAndRestore) and the
     early-stopping state: a run killed mid-training and started again with the same folder
-    continues where it stopped, with the best epoch so far. Under several workers only the
-    chief writes there (`TrainResult.chief`).
+    continues where it stopped, with the best epoch so far. Under `training.refit` it also
+    keeps the finished first fit, so a run killed during the refit resumes the refit. Under
+    several workers only the chief writes there (`TrainResult.chief`).
     """
     tc = config.training
     gpus = configure_gpus(tc.gpu_memory_growth)
     # MultiWorkerMirroredStrategy must exist before other TF ops run in the process.
     strategy = make_strategy(tc.strategy, gpus, tc.ps_min_shard_bytes)
-    precision = resolve_precision(tc.precision, gpus)
     tf.keras.utils.set_random_seed(tc.seed)
     if tc.deterministic:
         tf.config.experimental.enable_op_determinism()
     previous = None
     if tc.warm_start_from:
         previous = TrainedModel.load(Path(tc.warm_start_from))
-    replicas = strategy.num_replicas_in_sync
-    jit = use_jit(tc.jit_compile, replicas, len(gpus))
-    chief = is_chief(strategy)
     stats = json.loads((data_dir / DataFile.STATS).read_text())
     check_memory(config, stats["users"], stats["items"], stats["splits"]["train"])
+    setup = _Setup(
+        strategy=strategy,
+        precision=resolve_precision(tc.precision, gpus),
+        jit=use_jit(tc.jit_compile, strategy.num_replicas_in_sync, len(gpus)),
+        stats=stats,
+        previous=previous,
+    )
+    extra = callbacks or []
+    refit = bool(tc.refit_splits and stats["splits"]["validation"])
+    # Only a single process may skip its first fit: a cluster's workers must run the same fits.
+    single = _strategy_name(strategy) in ("one_device", "mirrored")
+    keep = backup_dir if refit and single and backup_dir is not None else None
+    result = load_first_fit(keep) if keep is not None else None
+    if result is not None:
+        log.info("training: the first fit ended before the interruption (kept in %s)", keep)
+    else:
+        result = _first_fit(config, data_dir, setup, backup_dir, extra)
+        if keep is not None:
+            save_first_fit(result, keep)
+    if refit:
+        refit_backup = None if backup_dir is None else backup_dir / REFIT_BACKUP
+        result = _refit(config, data_dir, setup, result, extra, refit_backup)
+    return result
+
+
+REFIT_BACKUP = "refit"
+"""The refit's BackupAndRestore folder inside the training backup folder."""
+
+
+@dataclass(frozen=True)
+class _Setup:
+    """What both fits of a run share: the device layout and the data's statistics."""
+
+    strategy: tf.distribute.Strategy
+    precision: str
+    jit: bool
+    stats: dict[str, Any]
+    previous: TrainedModel | None  # training.warm_start_from's model
+
+
+def _first_fit(
+    config: RecsysConfig,
+    data_dir: Path,
+    setup: _Setup,
+    backup_dir: Path | None,
+    extra: list[tf.keras.callbacks.Callback],
+) -> TrainResult:
+    """The early-stopped fit on the train split (the whole run without `training.refit`)."""
+    tc, strategy, stats = config.training, setup.strategy, setup.stats
+    replicas = strategy.num_replicas_in_sync
+    chief = is_chief(strategy)
     with strategy.scope():
-        trained, model = build_model(config, data_dir, precision, jit)
-        if previous is not None:
-            copied = warm_start(trained, previous)
+        trained, model = build_model(config, data_dir, setup.precision, setup.jit)
+        if setup.previous is not None:
+            copied = warm_start(trained, setup.previous)
             log.info("warm start from %s: rows taken over %s", tc.warm_start_from, copied)
     cached = use_cache(tc.cache, stats["splits"], trained, strategy)
     train_ds, val_ds = _datasets(config, data_dir, trained, strategy, stats["splits"], cached)
     timer = EpochTimer()
-    extra = callbacks or []
-    callbacks = [timer]
+    callbacks: list[tf.keras.callbacks.Callback] = [timer]
     validator = None
     if stats["splits"]["validation"]:
         state_dir = None if backup_dir is None else backup_dir / "early_stopping"
@@ -537,23 +543,20 @@ def train(
         if validator is None or validator.best_epoch is None or not validator.patience
         else validator.best_epoch + 1
     )
-    result = TrainResult(
+    return TrainResult(
         model=trained,
         history={k: [float(v) for v in vs] for k, vs in history.history.items()},
         examples=_examples_per_epoch(stats["splits"]["train"], tc) * epochs_run,
         seconds=seconds,
         strategy=_strategy_name(strategy),
         replicas=replicas,
-        precision=precision,
+        precision=setup.precision,
         best_epoch=best_epoch,
         epoch_seconds=timer.seconds,
         chief=chief,
-        jit_compile=jit,
+        jit_compile=setup.jit,
         cached=cached,
     )
-    if tc.refit_splits and stats["splits"]["validation"]:
-        result = _refit(config, data_dir, strategy, result, stats, previous, extra)
-    return result
 
 
 @contextlib.contextmanager
@@ -580,17 +583,17 @@ def _fit_errors(tc: TrainingConfig, replicas: int, backup_dir: Path | None) -> I
 def _refit(
     config: RecsysConfig,
     data_dir: Path,
-    strategy: tf.distribute.Strategy,
+    setup: _Setup,
     first: TrainResult,
-    stats: dict[str, Any],
-    previous: TrainedModel | None,
     callbacks: list[tf.keras.callbacks.Callback],
+    backup_dir: Path | None,
 ) -> TrainResult:
     """A fresh model trained on `training.refit_splits` for the epochs the first fit chose.
 
-    `callbacks` are the caller's (a progress line), given to both fits.
+    `callbacks` are the caller's (a progress line), given to both fits; `backup_dir` holds
+    the refit's own checkpoints, so a killed refit resumes from its last epoch.
     """
-    tc = config.training
+    tc, strategy = config.training, setup.strategy
     splits = tc.refit_splits
     # Without early stopping every configured epoch ran (a resumed fit's history and timer
     # hold only the epochs after the resume, so they cannot count them).
@@ -599,21 +602,25 @@ def _refit(
     tf.keras.utils.set_random_seed(tc.seed)
     with strategy.scope():
         trained, model = build_model(config, data_dir, first.precision, first.jit_compile)
-        if previous is not None:
-            warm_start(trained, previous)
-    counts = {"train": sum(int(stats["splits"][name]) for name in splits)}
+        if setup.previous is not None:
+            warm_start(trained, setup.previous)
+    counts = {"train": sum(int(setup.stats["splits"][name]) for name in splits)}
     cached = use_cache(tc.cache, counts, trained, strategy)
     train_ds, _ = _datasets(config, data_dir, trained, strategy, counts, cached, splits)
     timer = EpochTimer()
+    own: list[tf.keras.callbacks.Callback] = [timer]
+    if backup_dir is not None:
+        save_freq = tc.checkpoint_every_steps or "epoch"
+        own.append(BackupEveryStepsAndEpoch(str(backup_dir), save_freq=save_freq))
     start = time.perf_counter()
-    with _fit_errors(tc, first.replicas, None):
+    with _fit_errors(tc, first.replicas, backup_dir):
         model.fit(
             train_ds,
             epochs=epochs,
             steps_per_epoch=_steps(counts["train"], tc.batch_size, False)
             if is_parameter_server(strategy)
             else _capped(tc.max_steps_per_epoch or None, train_ds),
-            callbacks=[timer, EpochLogger(epochs), *callbacks],
+            callbacks=[*own, EpochLogger(epochs), *callbacks],
             verbose=0,
         )
     return dataclasses.replace(
