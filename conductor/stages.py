@@ -173,6 +173,7 @@ def train(
             "refit_epochs": result.refit_epochs,
             "refit_seconds": result.refit_seconds,
             "refit_splits": list(result.refit_splits),
+            "dense_log_settings": result.dense_log_settings,
             # What metrics.json scores: the served model, or the first fit (refit all).
             "evaluated_model": str(
                 RunFile.EVAL_MODEL if result.evaluation_model is not None else RunFile.MODEL

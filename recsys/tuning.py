@@ -33,7 +33,13 @@ from mlflow.entities import Metric, Param, RunStatus
 from mlflow.exceptions import MlflowException
 from mlflow.utils.mlflow_tags import MLFLOW_PARENT_RUN_ID, MLFLOW_RUN_NAME
 
-from recsys.core.config import RecsysConfig, SearchDimension, parse_config
+from recsys.core.config import (
+    RecsysConfig,
+    SearchDimension,
+    parse_config,
+    set_dotted,
+    set_values,
+)
 from recsys.core.errors import DataError, OutOfMemoryError, StageFailedError, TrackingError
 from recsys.core.layout import DataFile
 from recsys.tracking import runs as tracking
@@ -63,31 +69,18 @@ def _largest(config: RecsysConfig, key: str) -> int:
     return 0 if dimension is None else int(max(dimension.values_to_check()))
 
 
-def set_values(config: RecsysConfig, values: dict[str, Any]) -> RecsysConfig:
-    """A validated copy of `config` with dotted keys set (e.g. {"model.embedding_dim": 32})."""
-    raw = config.model_dump(mode="json")
-    for key, value in values.items():
-        _set_dotted(raw, key, value)
-    return parse_config(raw, source="tuned settings")
-
-
-def _set_dotted(tree: dict[str, Any], key: str, value: Any) -> None:
-    *parents, name = key.split(".")
-    for part in parents:
-        tree = tree.setdefault(part, {})
-    tree[name] = value
-
-
 def trial_config(config: RecsysConfig, params: dict[str, Any]) -> RecsysConfig:
     """The config one trial trains with: `params` set, early stopping on the tuned metric.
 
     No refit: a trial is scored on the validation split, which a refit would train on (the
-    written best config keeps the base config's `training.refit`).
+    written best config keeps the base config's `training.refit`). No `dense_log` rule: a
+    trial trains with the settings it is scored for, whatever the log's shape.
     """
     values = {
         **params,
         "training.early_stopping_metric": config.tune.metric,
         "training.refit": "off",
+        "dense_log": None,
     }
     history = params.get("model.history_length", config.model.history_length)
     values["preprocess.history_length"] = max(config.preprocess.history_length, int(history))
@@ -375,8 +368,8 @@ def write_config(
 ) -> Path:
     """The base config with the winning settings, validated, written atomically to `output`.
 
-    Also set: early stopping on the tuned metric (what the trials were judged by) and
-    histories preprocessed at least as long as the model reads.
+    Also set: early stopping on the tuned metric (what the trials were judged by), histories
+    preprocessed at least as long as the model reads, and no `dense_log` rule.
     """
     settings = trial_config(config, params)
     raw = copy.deepcopy(base_yaml) if base_yaml is not None else config.model_dump(mode="json")
@@ -384,9 +377,11 @@ def write_config(
         **params,
         "training.early_stopping_metric": settings.training.early_stopping_metric,
         "preprocess.history_length": settings.preprocess.history_length,
+        # The winner was measured as written: a shape rule must not replace its settings.
+        "dense_log": None,
     }
     for key, value in values.items():
-        _set_dotted(raw, key, value)
+        set_dotted(raw, key, value)
     parse_config(raw, source=str(output))  # what is written must load
     text = "".join(f"# {line}\n" for line in _wrap(header)) + yaml.safe_dump(raw, sort_keys=False)
     output = Path(output)

@@ -699,3 +699,44 @@ def test_models_saved_by_the_first_ids_only_version_still_load(
     np.testing.assert_allclose(
         loaded.user_embeddings(["a", "new"]), old.user_embeddings(["a", "new"]), atol=1e-6
     )
+
+
+def test_dense_log_settings_apply_only_to_a_log_that_is_dense(
+    prepared: tuple[RecsysConfig, Workdir, Path], tmp_path: Path
+) -> None:
+    """The rule's settings train the model on a log at its threshold, and are in train.json."""
+    config, workdir, data_dir = prepared
+    stats = json.loads((data_dir / DataFile.STATS).read_text())
+    per_user = sum(stats["splits"].values()) / stats["users"]
+    settings = {"model.embedding_dim": 8, "training.learning_rate": 0.02, "training.epochs": 1}
+    raw = config.model_dump(mode="json")
+    raw["dense_log"] = {"min_events_per_user": per_user, "settings": settings}
+    dense = parse_config(raw)
+    run_dir, result = stages.train(dense, workdir, DATE, data_dir=data_dir)
+    assert result.model.config.embedding_dim == 8 and len(result.history["loss"]) == 1
+    assert result.dense_log_settings == settings
+    assert json.loads((run_dir / "train.json").read_text())["dense_log_settings"] == settings
+    # The run's config.yaml is the config as given: the rule, not its outcome.
+    assert "dense_log" in (run_dir / "config.yaml").read_text()
+
+    raw["dense_log"]["min_events_per_user"] = per_user + 0.1
+    result = trainer.train(parse_config(raw), data_dir)
+    assert result.model.config.embedding_dim == 16 and len(result.history["loss"]) == 2
+    assert result.dense_log_settings == {}
+
+
+@pytest.mark.parametrize(
+    ("settings", "message"),
+    [
+        ({"model.embeding_dim": 8}, "dense_log.settings key 'model.embeding_dim': model has no"),
+        ({"data.path": "x"}, "must be model.<setting> or training.<setting>"),
+        ({"training.learning_rate": -1}, "training.learning_rate: value -1 is invalid"),
+        ({"model.history_length": 50}, "raise preprocess.history_length"),
+    ],
+)
+def test_dense_log_settings_are_checked_when_the_config_loads(
+    settings: dict[str, object], message: str
+) -> None:
+    raw = {**SMALL, "dense_log": {"min_events_per_user": 30, "settings": settings}}
+    with pytest.raises(ConfigError, match=message):
+        parse_config(raw)

@@ -162,3 +162,13 @@ def test_trials_train_without_the_refit_their_score_would_leak_into(tmp_path: Pa
     assert trial.training.refit == "off" and trial.model.embedding_dim == 16
     best = load_config(tuning.write_config(base, {"model.embedding_dim": 16}, tmp_path / "b.yaml"))
     assert best.training.refit == "validation" and best.model.embedding_dim == 16
+
+
+def test_trials_and_the_written_winner_ignore_the_dense_log_rule(tmp_path: Path) -> None:
+    # A trial is scored for the settings it proposed: a shape rule must not replace them on a
+    # dense log, in the trial or in the config the nightly then runs.
+    rule = {"min_events_per_user": 1, "settings": {"model.embedding_dim": 128}}
+    base = parse_config({"dense_log": rule})
+    assert tuning.trial_config(base, {"model.embedding_dim": 16}).dense_log is None
+    best = load_config(tuning.write_config(base, {"model.embedding_dim": 16}, tmp_path / "b.yaml"))
+    assert best.dense_log is None and best.model.embedding_dim == 16

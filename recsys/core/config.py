@@ -578,6 +578,18 @@ class TuneConfig(_Strict):
     )
 
 
+class DataShapeRule(_Strict):
+    """Settings that apply only to logs whose users average at least `min_events_per_user`.
+
+    `settings` are dotted model.* / training.* keys, as in `tune.space`. The log's shape is
+    known once the Beam job has written stats.json, so the rule is applied at train time
+    (recsys.model.defaults.apply_shape_rule, logged and written to the run's train.json).
+    """
+
+    min_events_per_user: float = Field(gt=0, le=MAX_ROWS)
+    settings: dict[str, bool | int | float | str] = Field(min_length=1, max_length=64)
+
+
 class RecsysConfig(_Strict):
     """The whole configuration of one nightly run."""
 
@@ -592,6 +604,8 @@ class RecsysConfig(_Strict):
     gate: GateConfig = GateConfig()
     nightly: NightlyConfig = NightlyConfig()
     tune: TuneConfig = TuneConfig()
+    # Settings for dense logs (many events per user); none: one set of settings for every log.
+    dense_log: DataShapeRule | None = None
 
     @field_validator("model_name")
     @classmethod
@@ -601,23 +615,38 @@ class RecsysConfig(_Strict):
     @model_validator(mode="after")
     def _tunable_space(self) -> RecsysConfig:
         for key, dimension in self.tune.space.items():
-            section, _, name = key.partition(".")
-            if section not in TUNABLE_SECTIONS or "." in name:
-                raise ValueError(
-                    f"tune.space key {key!r} must be model.<setting> or training.<setting>"
-                )
-            current = getattr(self, section)
-            if name not in type(current).model_fields:
-                raise ValueError(f"tune.space key {key!r}: {section} has no setting {name!r}")
             for value in dimension.values_to_check():
-                try:
-                    type(current).model_validate({**current.model_dump(), name: value})
-                except ValidationError as exc:
-                    reason = exc.errors()[0]["msg"]
-                    raise ValueError(
-                        f"tune.space {key}: value {value!r} is invalid: {reason}"
-                    ) from None
+                self._check_setting("tune.space", key, value)
         return self
+
+    @model_validator(mode="after")
+    def _dense_log_settings(self) -> RecsysConfig:
+        if self.dense_log is None:
+            return self
+        for key, value in self.dense_log.settings.items():
+            self._check_setting("dense_log.settings", key, value)
+        history = self.dense_log.settings.get("model.history_length")
+        if history is not None and int(history) > self.preprocess.history_length:
+            raise ValueError(
+                f"dense_log.settings model.history_length {history} is longer than the "
+                f"histories the Beam job writes (preprocess.history_length "
+                f"{self.preprocess.history_length}): raise preprocess.history_length"
+            )
+        return self
+
+    def _check_setting(self, where: str, key: str, value: Any) -> None:
+        """Raise unless `key` is model.<setting> or training.<setting> and `value` valid there."""
+        section, _, name = key.partition(".")
+        if section not in TUNABLE_SECTIONS or "." in name:
+            raise ValueError(f"{where} key {key!r} must be model.<setting> or training.<setting>")
+        current = getattr(self, section)
+        if name not in type(current).model_fields:
+            raise ValueError(f"{where} key {key!r}: {section} has no setting {name!r}")
+        try:
+            type(current).model_validate({**current.model_dump(), name: value})
+        except ValidationError as exc:
+            reason = exc.errors()[0]["msg"]
+            raise ValueError(f"{where} {key}: value {value!r} is invalid: {reason}") from None
 
     def flat(self) -> dict[str, Any]:
         """The config as dotted keys (MLflow params), without `tune` (it changes no run)."""
@@ -707,6 +736,22 @@ def _depth(value: Any, limit: int = MAX_CONFIG_DEPTH + 1) -> int:
         return 0
     children = value.values() if isinstance(value, dict) else value
     return 1 + max((_depth(child, limit - 1) for child in children), default=0)
+
+
+def set_values(config: RecsysConfig, values: dict[str, Any]) -> RecsysConfig:
+    """A validated copy of `config` with dotted keys set (e.g. {"model.embedding_dim": 32})."""
+    raw = config.model_dump(mode="json")
+    for key, value in values.items():
+        set_dotted(raw, key, value)
+    return parse_config(raw, source="settings " + ", ".join(sorted(values)))
+
+
+def set_dotted(tree: dict[str, Any], key: str, value: Any) -> None:
+    """Set a dotted key ("model.embedding_dim") in a nested mapping, creating parents."""
+    *parents, name = key.split(".")
+    for part in parents:
+        tree = tree.setdefault(part, {})
+    tree[name] = value
 
 
 def parse_config(raw: dict[str, Any], source: str = "<config>") -> RecsysConfig:

@@ -17,8 +17,9 @@ events/user) loses 6% (docs/TRAINING.md).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
-from recsys.core.config import ModelConfig
+from recsys.core.config import ModelConfig, RecsysConfig, set_values
 
 FULL_SOFTMAX_MAX_ITEMS = 50_000
 """Up to this many items the softmax runs over the whole catalog (a [batch x items] matrix:
@@ -62,3 +63,11 @@ def resolve(config: ModelConfig, shape: DataShape) -> tuple[ModelConfig, list[st
             f"{'>' if on else '<='} history_length {window})"
         )
     return (config.model_copy(update=update) if update else config), reasons
+
+
+def apply_dense_log(config: RecsysConfig, shape: DataShape) -> tuple[RecsysConfig, dict[str, Any]]:
+    """`config` with its `dense_log` settings applied when `shape` is dense; the settings set."""
+    rule = config.dense_log
+    if rule is None or shape.events_per_user < rule.min_events_per_user:
+        return config, {}
+    return set_values(config, rule.settings), dict(rule.settings)

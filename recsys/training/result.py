@@ -51,6 +51,8 @@ class TrainResult:
     # training.refit all: the first fit, which never saw the test split, is the model the
     # evaluate stage and the gate score (the kept `model` trained on the test split).
     evaluation_model: TrainedModel | None = None
+    # The config's `dense_log` settings this run trained with (empty: the log was not dense).
+    dense_log_settings: dict[str, bool | int | float | str] = field(default_factory=dict)
 
     @property
     def examples_per_second(self) -> float:

@@ -36,7 +36,7 @@ from recsys.model import (
     read_vocab,
     warm_start,
 )
-from recsys.model.defaults import DataShape, resolve
+from recsys.model.defaults import DataShape, apply_dense_log, resolve
 from recsys.training.dataset import (
     in_memory_bytes,
     in_memory_dataset,
@@ -443,6 +443,7 @@ def train(
     if tc.warm_start_from:
         previous = TrainedModel.load(Path(tc.warm_start_from))
     stats = json.loads((data_dir / DataFile.STATS).read_text())
+    config, dense = _dense_log(config, stats)
     check_memory(config, stats["users"], stats["items"], stats["splits"]["train"])
     setup = _Setup(
         strategy=strategy,
@@ -466,7 +467,24 @@ def train(
     if refit:
         refit_backup = None if backup_dir is None else backup_dir / REFIT_BACKUP
         result = _refit(config, data_dir, setup, result, extra, refit_backup)
+    result.dense_log_settings = dense
     return result
+
+
+def _dense_log(config: RecsysConfig, stats: dict[str, Any]) -> tuple[RecsysConfig, dict[str, Any]]:
+    """The config the data's shape calls for: `dense_log`'s settings on a dense log (logged)."""
+    shape = DataShape.from_stats(stats)
+    shaped, applied = apply_dense_log(config, shape)
+    if config.dense_log is not None:
+        settings = ", ".join(f"{k}={v}" for k, v in applied.items())
+        log.info(
+            "dense_log: %.1f events/user %s %g: %s",
+            shape.events_per_user,
+            ">=" if applied else "<",
+            config.dense_log.min_events_per_user,
+            settings or "not applied",
+        )
+    return shaped, applied
 
 
 REFIT_BACKUP = "refit"
