@@ -105,14 +105,29 @@ class _Reporter(tf.keras.callbacks.Callback):
     """After each epoch: the validation metric to Optuna and to the trial's MLflow run.
 
     Runs after the trainer's validation callback, which put `val_<metric>` in the logs.
-    A trial the pruner rejects stops training at the end of that epoch.
+    A trial the pruner rejects stops training at the end of that epoch; so does a trial
+    still running at the search's `deadline` (time.monotonic()), which keeps its epochs so far.
     """
 
-    def __init__(self, trial: optuna.Trial, client: MlflowClient, run_id: str, metric: str) -> None:
+    def __init__(
+        self,
+        trial: optuna.Trial,
+        client: MlflowClient,
+        run_id: str,
+        metric: str,
+        deadline: float | None = None,
+    ) -> None:
         super().__init__()
         self.trial, self.client, self.run_id, self.key = trial, client, run_id, f"val_{metric}"
+        self.deadline = deadline
         self.values: list[float] = []
         self.pruned = False
+        self.timed_out = False
+
+    @property
+    def state(self) -> str:
+        """How the trial ended: pruned, timed_out (at the search's deadline) or complete."""
+        return "pruned" if self.pruned else "timed_out" if self.timed_out else "complete"
 
     def on_epoch_end(self, epoch: int, logs: dict[str, float] | None = None) -> None:
         logs = logs or {}
@@ -130,6 +145,11 @@ class _Reporter(tf.keras.callbacks.Callback):
             log.info("trial %d pruned after epoch %d (%s=%.4f)", self.trial.number,
                      epoch + 1, self.key, value)  # fmt: skip
             self.pruned = True
+            self.model.stop_training = True
+        elif self.deadline is not None and time.monotonic() >= self.deadline:
+            log.info("trial %d stopped after epoch %d: the search's timeout has passed",
+                     self.trial.number, epoch + 1)  # fmt: skip
+            self.timed_out = True
             self.model.stop_training = True
 
 
@@ -189,7 +209,10 @@ def tune(
         sampler=optuna.samplers.TPESampler(seed=tc.seed),
         pruner=_pruner(config),
     )
-    objective = _Objective(config, Path(data_dir), client, experiment_id, parent)
+    # Optuna's timeout only keeps new trials from starting; the deadline also ends the running
+    # trial after its current epoch, so a search overruns its budget by one epoch at most.
+    deadline = None if timeout_seconds is None else time.monotonic() + timeout_seconds
+    objective = _Objective(config, Path(data_dir), client, experiment_id, parent, deadline)
     start = time.perf_counter()
     status = RunStatus.FAILED
     try:
@@ -266,9 +289,11 @@ class _Objective:
         client: MlflowClient,
         experiment_id: str,
         parent: str,
+        deadline: float | None = None,
     ) -> None:
         self.config, self.data_dir = config, data_dir
         self.client, self.experiment_id, self.parent = client, experiment_id, parent
+        self.deadline = deadline
 
     def __call__(self, trial: optuna.Trial) -> float:
         params = suggest(trial, self.config.tune.space)
@@ -287,7 +312,7 @@ class _Objective:
                 run_id, params=[Param(k, json.dumps(v)) for k, v in params.items()]
             )
         trial.set_user_attr("mlflow_run_id", run_id)
-        reporter = _Reporter(trial, self.client, run_id, self.config.tune.metric)
+        reporter = _Reporter(trial, self.client, run_id, self.config.tune.metric, self.deadline)
         log.info("trial %d: %s", trial.number, params)
         state, status = "failed", RunStatus.FAILED
         try:
@@ -298,7 +323,7 @@ class _Objective:
                 self.client.log_metric(
                     run_id, "examples_per_second", result.steady_examples_per_second
                 )
-            state, status = ("pruned" if reporter.pruned else "complete"), RunStatus.FINISHED
+            state, status = reporter.state, RunStatus.FINISHED
         finally:
             with tracking.bounded_http_retries():
                 self.client.set_tag(run_id, STATE_TAG, state)

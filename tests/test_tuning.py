@@ -172,3 +172,31 @@ def test_trials_and_the_written_winner_ignore_the_dense_log_rule(tmp_path: Path)
     assert tuning.trial_config(base, {"model.embedding_dim": 16}).dense_log is None
     best = load_config(tuning.write_config(base, {"model.embedding_dim": 16}, tmp_path / "b.yaml"))
     assert best.dense_log is None and best.model.embedding_dim == 16
+
+
+def test_the_timeout_also_stops_the_running_trial_after_its_epoch(
+    prepared: tuple[RecsysConfig, Workdir, Path], server: MlflowServer, tmp_path: Path
+) -> None:
+    # Optuna's own timeout only keeps new trials from starting: one slow trial could run
+    # for hours past the budget. The search's deadline ends the running trial too.
+    _, workdir, data_dir = prepared
+    raw = _config(server.uri).model_dump(mode="json")
+    raw["training"]["epochs"] = 4
+    raw["training"]["early_stopping_patience"] = 0
+    config = parse_config(raw)
+    result = tuning.tune(
+        config, data_dir, tmp_path / "best.yaml", workdir=workdir.root, trials=3,
+        timeout_seconds=0.01,
+    )  # fmt: skip
+    client = MlflowClient(server.uri)
+    children = client.search_runs(
+        [client.get_experiment_by_name(result.experiment).experiment_id],
+        filter_string=f"tags.mlflow.parentRunId = '{result.parent_run_id}'",
+    )
+    assert len(children) == 1  # no trial starts after the deadline
+    (child,) = children
+    assert child.data.tags[tuning.STATE_TAG] == "timed_out"
+    assert len(client.get_metric_history(child.info.run_id, "val_recall_at_10")) == 1
+    # The epochs it ran still count: its value is what the written config was chosen by.
+    assert result.best_value == pytest.approx(child.data.metrics["validation_recall_at_10"])
+    assert load_config(tmp_path / "best.yaml").model.embedding_dim in (8, 16)

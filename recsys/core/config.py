@@ -562,6 +562,7 @@ class TuneConfig(_Strict):
     # written config, so the nightly keeps the epoch the search judged by.
     metric: str = Field("ndcg_at_10", pattern=r"^(recall|ndcg|mrr)_at_\d+$")
     trials: int = Field(20, ge=1)
+    # The search's budget: no trial starts after it, and the running one stops after its epoch.
     timeout_seconds: float | None = Field(None, gt=0)
     # median: stop a trial whose validation metric after an epoch is below the median of the
     # earlier trials at that epoch (Optuna MedianPruner); none: every trial runs to the end.
