@@ -386,8 +386,9 @@ class Ours:
         original = yaml.safe_load(base.read_text()) or {}
         tuning.write_config(
             parse_config(original, str(base)), result.best_params, keep, original,
-            f"recsys tune on {self.b.name} without its test rows ({trials} trials, validation "
-            f"{config.tune.metric} {result.best_value:.4f}); data section of {base.name}",
+            f"recsys tune on {self.b.name} without its test rows ({sum(result.states.values())} "
+            f"of {trials} trials ran, validation {config.tune.metric} {result.best_value:.4f}); "
+            f"every other setting and the data section from {base}",
         )  # fmt: skip
         summary = {
             "trials": trials, "states": result.states, "best_params": result.best_params,
