@@ -19,9 +19,11 @@ import pytest
 import tensorflow as tf
 
 from conductor import stages
+from recsys.core import schema
 from recsys.core.config import ModelConfig, RecsysConfig, parse_config
 from recsys.core.errors import ConfigError, OutOfMemoryError
 from recsys.core.layout import DataFile, Workdir
+from recsys.data_io import load_split
 from recsys.model import (
     HISTORY_INDEX,
     PAD,
@@ -740,3 +742,24 @@ def test_dense_log_settings_are_checked_when_the_config_loads(
     raw = {**SMALL, "dense_log": {"min_events_per_user": 30, "settings": settings}}
     with pytest.raises(ConfigError, match=message):
         parse_config(raw)
+
+
+def test_longer_stored_histories_train_the_same_model(
+    prepared: tuple[RecsysConfig, Workdir, Path], tmp_path: Path
+) -> None:
+    """The shipped configs write 50-item histories for `dense_log`: a model that reads 20
+    (every sparse log) trains exactly as it did on 20-item files."""
+    config, _, data_dir = prepared
+    raw = config.model_dump(mode="json")
+    raw["preprocess"]["history_length"] = config.model.history_length + 30
+    longer = parse_config(raw)
+    long_dir, _ = stages.preprocess(longer, Workdir(tmp_path / "work"), DATE)
+    histories = load_split(long_dir, "train", columns=[schema.HISTORY])[schema.HISTORY]
+    assert max(len(h) for h in histories) > config.model.history_length  # the case at stake
+    short = trainer.train(with_updates(config, training={"epochs": 1}), data_dir)
+    long = trainer.train(with_updates(longer, training={"epochs": 1}), long_dir)
+    for tower in ("query_tower", "candidate_tower"):
+        weights = [getattr(r.model, tower).get_weights() for r in (short, long)]
+        assert weights[0]
+        for a, b in zip(*weights, strict=True):
+            np.testing.assert_array_equal(a, b)
