@@ -87,7 +87,8 @@ class KerasProgress(tf.keras.callbacks.Callback):
     """Training steps over all epochs as a Progress (the total comes from Keras' params).
 
     One instance follows every fit it is given to: the first is the `train` line, a later one
-    (`training.refit`'s second fit) the `refit` line, each with its own total and ETA.
+    (`training.refit`'s second fit) the `refit` line, each with its own total and ETA. The
+    trainer names each fit through `begin_fit` (a run resumed during its refit starts there).
     """
 
     def __init__(self, stream: TextIO | None = None, interval: float = 30.0) -> None:
@@ -97,11 +98,17 @@ class KerasProgress(tf.keras.callbacks.Callback):
         self._steps = 0
         self._epoch = 0
         self._fits = 0
+        self._next: str | None = None
+
+    def begin_fit(self, name: str) -> None:
+        """The name of the fit that starts next (`train`, `refit`): its progress line's label."""
+        self._next = name
 
     def on_train_begin(self, logs: dict[str, Any] | None = None) -> None:
         steps, epochs = self.params.get("steps"), self.params.get("epochs") or 1
         total = steps * epochs if steps else None
-        stage = "train" if self._fits == 0 else "refit"
+        stage = self._next or ("train" if self._fits == 0 else "refit")
+        self._next = None
         self._fits += 1
         self._epoch = self._steps = 0
         self._progress = Progress(stage, total, "steps", self._stream, self._interval)

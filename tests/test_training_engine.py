@@ -342,6 +342,26 @@ def test_the_progress_line_follows_the_refit_too(
     assert all("(100%)" in line and line.endswith("; 2 epochs") for line in finals), finals
 
 
+def test_a_run_that_starts_at_its_refit_labels_it_refit(
+    prepared: tuple[RecsysConfig, Workdir, Path], tmp_path: Path
+) -> None:
+    """A rerun finds its first fit kept in the backup folder: its only progress line is the
+    refit's, not a `train` line for what is a refit."""
+    import io
+
+    from conductor.progress import KerasProgress
+
+    config, _, data_dir = prepared
+    cfg = with_updates(config, training={"epochs": 2, "refit": True})
+    trainer.train(cfg, data_dir, backup_dir=tmp_path / "backup")
+    assert (tmp_path / "backup" / "first_fit").is_dir()
+    stream = io.StringIO()
+    progress = KerasProgress(stream, interval=3600)
+    trainer.train(cfg, data_dir, backup_dir=tmp_path / "backup", callbacks=[progress])
+    finals = [line for line in stream.getvalue().splitlines() if "epochs" in line]
+    assert [line.split()[1] for line in finals] == ["refit:"], finals
+
+
 def test_refit_all_also_trains_on_test_and_keeps_the_first_fit_for_evaluation(
     prepared: tuple[RecsysConfig, Workdir, Path], monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -487,6 +487,18 @@ def _dense_log(config: RecsysConfig, stats: dict[str, Any]) -> tuple[RecsysConfi
     return shaped, applied
 
 
+def announce_fit(callbacks: list[tf.keras.callbacks.Callback], fit: str) -> None:
+    """Tell the callbacks that have a `begin_fit(name)` which fit starts: `train` or `refit`.
+
+    A progress line cannot count the fits it sees: a run resumed during its refit skips the
+    first fit, so its first `on_train_begin` is the refit's.
+    """
+    for callback in callbacks:
+        begin = getattr(callback, "begin_fit", None)
+        if callable(begin):
+            begin(fit)
+
+
 REFIT_BACKUP = "refit"
 """The refit's BackupAndRestore folder inside the training backup folder."""
 
@@ -538,6 +550,7 @@ def _first_fit(
         )
     callbacks.append(EpochLogger(tc.epochs))  # last: it logs what the others added
     callbacks += extra
+    announce_fit(extra, "train")
     cap = tc.max_steps_per_epoch or None
     start = time.perf_counter()
     with _fit_errors(tc, replicas, backup_dir):
@@ -630,6 +643,7 @@ def _refit(
     if backup_dir is not None:
         save_freq = tc.checkpoint_every_steps or "epoch"
         own.append(BackupEveryStepsAndEpoch(str(backup_dir), save_freq=save_freq))
+    announce_fit(callbacks, "refit")
     start = time.perf_counter()
     with _fit_errors(tc, first.replicas, backup_dir):
         model.fit(
