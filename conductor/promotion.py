@@ -165,6 +165,9 @@ def _publish(
         "data_dir": str(data_dir.resolve()),
         "model_version": str(exported["version"]),
         **{f"device.{k}": str(v) for k, v in state["device"].items()},
+        # What the config's dense_log rule changed for this log ({}: nothing), beside the
+        # params, which are the config as given.
+        "dense_log_settings": json.dumps(train_info.get("dense_log_settings", {}), sort_keys=True),
     }
     run_id = log_nightly_run(
         config,

@@ -30,7 +30,7 @@ DAY1 = DAY2 = SMALL_DATE  # SMALL rejects rows after its date: both nights use i
 MODEL = "e2e-model"
 
 
-def _config(root: Path, uri: str, epochs: int, refit: str = "off") -> Path:
+def _config(root: Path, uri: str, epochs: int, refit: str = "off", dense: bool = False) -> Path:
     raw = {
         **SMALL,
         "model_name": MODEL,
@@ -38,6 +38,8 @@ def _config(root: Path, uri: str, epochs: int, refit: str = "off") -> Path:
         "tracking": {"uri": uri, "retries": 2, "backoff_seconds": 0.2},
         "gate": {"bootstrap_samples": 500},
     }
+    if dense:  # a dense_log rule that applies to any log and changes nothing
+        raw["dense_log"] = {"min_events_per_user": 1, "settings": {"training.learning_rate": 0.01}}
     path = root / f"epochs{epochs}.yaml"
     path.write_text(yaml.safe_dump(raw))
     return path
@@ -58,8 +60,8 @@ def two_nights(
     root = tmp_path_factory.mktemp("e2e")
     work = root / "work"
     outputs = []
-    for date, epochs, refit in ((DAY1, 1, "all"), (DAY2, 3, "off")):
-        config = _config(root, server.uri, epochs, refit)
+    for date, epochs, refit, dense in ((DAY1, 1, "all", False), (DAY2, 3, "off", True)):
+        config = _config(root, server.uri, epochs, refit, dense)
         printed = io.StringIO()
         with contextlib.redirect_stdout(printed):
             code = cli.main(
@@ -93,6 +95,8 @@ def test_second_night_is_gated_against_the_first(
     assert first.data.tags["gate.champion_version"] == "none"
     assert second.data.tags["gate.champion_version"] == "1"
     assert second.data.tags["device.strategy"]  # from the training result, or the default
+    assert first.data.tags["dense_log_settings"] == "{}"
+    assert second.data.tags["dense_log_settings"] == '{"training.learning_rate": 0.01}'
 
     gate = json.loads(Path(client.download_artifacts(second.info.run_id, "gate.json")).read_text())
     aliases = client.get_registered_model(MODEL).aliases

@@ -15,12 +15,13 @@ from recsys.core.layout import Workdir
 pytestmark = [pytest.mark.slow, pytest.mark.movielens]
 
 
+@pytest.mark.timeout(1800)  # a few minutes alone; more on a machine shared with benchmarks
 def test_movielens_100k_beats_popularity(ml100k: Path, tmp_path: Path) -> None:
     shipped = load_config(Path(__file__).resolve().parent.parent / "configs/movielens-100k.yaml")
-    # Two epochs (and a two-epoch refit) of the shipped settings keep this within CI's budget:
+    # One epoch (and a one-epoch refit) of the shipped settings keeps this within CI's budget:
     # the log is dense, so its dense_log rule applies, at about 5x the cost per epoch. The
     # full run's figures are in docs/BENCHMARKS.md.
-    config = set_values(shipped, {"training.epochs": 2})
+    config = set_values(shipped, {"training.epochs": 1})
     workdir = Workdir(tmp_path)
     date = dt.date(1998, 4, 30)  # after the last rating in u.data
     data_dir, stats = stages.preprocess(config, workdir, date, str(ml100k / "u.data"))

@@ -584,7 +584,7 @@ class DataShapeRule(_Strict):
 
     `settings` are dotted model.* / training.* keys, as in `tune.space`. The log's shape is
     known once the Beam job has written stats.json, so the rule is applied at train time
-    (recsys.model.defaults.apply_shape_rule, logged and written to the run's train.json).
+    (recsys.model.defaults.apply_dense_log, logged and written to the run's train.json).
     """
 
     min_events_per_user: float = Field(gt=0, le=MAX_ROWS)
