@@ -349,29 +349,3 @@ def test_saved_sequence_query_model_matches_in_memory_vectors(
     vectors, project = (json.loads(line) for line in done.stdout.strip().splitlines()[-2:])
     assert project == []
     np.testing.assert_allclose(np.array(vectors), expected, atol=1e-5)
-
-
-@pytest.mark.parametrize("name", ["default", "movielens-100k", "amazon-beauty"])
-def test_shipped_dense_log_rule_is_the_tuned_ml100k_winner_on_dense_logs_only(name: str) -> None:
-    """benchmarks/results/tuned_ml_100k.yaml's settings are what a shipped config trains a
-    dense log with (so that benchmark row is the shipped default's on MovieLens 100K)."""
-    from recsys.core.config import load_config
-    from recsys.model.defaults import apply_dense_log
-
-    repo = Path(__file__).resolve().parent.parent
-    shipped = load_config(repo / "configs" / f"{name}.yaml")
-    tuned = load_config(repo / "benchmarks" / "results" / "tuned_ml_100k.yaml")
-    movielens, applied = apply_dense_log(shipped, DataShape(items=1_682, events_per_user=105.0))
-    assert applied
-    for section in ("model", "training"):
-        ours = getattr(movielens, section).model_dump()
-        theirs = getattr(tuned, section).model_dump()
-        differ = {k for k in ours if ours[k] != theirs[k]}
-        # The per-file settings the benchmark replaces or does not read.
-        assert differ <= {"user_features"}, (section, differ)
-    assert movielens.preprocess.history_length == tuned.preprocess.history_length
-    for sparse in (7.9, 20.7):  # Amazon Beauty, the embedded synthetic log
-        assert apply_dense_log(shipped, DataShape(items=12_000, events_per_user=sparse)) == (
-            shipped,
-            {},
-        )

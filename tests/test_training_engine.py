@@ -767,8 +767,8 @@ def test_dense_log_settings_are_checked_when_the_config_loads(
 def test_longer_stored_histories_train_the_same_model(
     prepared: tuple[RecsysConfig, Workdir, Path], tmp_path: Path
 ) -> None:
-    """The shipped configs write 50-item histories for `dense_log`: a model that reads 20
-    (every sparse log) trains exactly as it did on 20-item files."""
+    """Histories stored longer than the model reads (a config whose `dense_log` rule has a
+    longer window writes them for every log) train exactly the model 20-item files train."""
     config, _, data_dir = prepared
     raw = config.model_dump(mode="json")
     raw["preprocess"]["history_length"] = config.model.history_length + 30

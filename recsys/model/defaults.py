@@ -12,6 +12,10 @@ user's whole history, the table only repeats it with a few gradient updates per 
 overfits; where it does not, the table carries the older taste. Measured on validation:
 off, Amazon Beauty (9 events/user, window 20) gains ~20% Recall@10, MovieLens 100K (106
 events/user) loses 6% (docs/TRAINING.md).
+
+`dense_log` (a config rule, not a model setting): on a log whose users average at least
+`dense_log.min_events_per_user` events, its settings replace the config's before any `auto`
+is resolved. The shipped configs carry none (docs/TRAINING.md, "Dense logs").
 """
 
 from __future__ import annotations
