@@ -146,6 +146,12 @@ def _tune(args: argparse.Namespace, config: Any, workdir: Any, date: Any) -> Non
     )  # fmt: skip
     print(f"trials:      {result.states} in {result.seconds:.0f} s")
     print(f"best:        trial {result.best_trial}, validation {result.best_value:.4f}")
+    if result.baseline_value is not None:
+        verdict = "no sampled trial beat it" if result.best_is_baseline else "beaten"
+        print(f"baseline:    trial 0 (the base config's settings), validation "
+              f"{result.baseline_value:.4f}: {verdict}")  # fmt: skip
+    else:
+        print(f"baseline:    none ({result.baseline_skipped or 'it did not complete'})")
     for key, value in result.best_params.items():
         print(f"  {key} = {value}")
     print(f"mlflow:      experiment {result.experiment}, parent run {result.parent_run_id}")

@@ -8,7 +8,9 @@ pruner stops a trial that is below the median of the earlier trials at the same 
 trial's value is what the nightly would keep: the best epoch's metric when early stopping
 keeps the best epoch, else the last epoch's. Every trial is an MLflow child run (per-epoch
 curve, its settings, its outcome) under one parent run holding the search space and the
-winner; the winner is written as a config YAML the nightly uses as it is.
+winner; the winner is written as a config YAML the nightly uses as it is. Trial 0 is the
+base config's own settings (`tune.baseline`), so the written winner is known to beat, on the
+same validation item, the config the search started from, or is that config.
 """
 
 from __future__ import annotations
@@ -42,6 +44,8 @@ from recsys.core.config import (
 )
 from recsys.core.errors import DataError, OutOfMemoryError, StageFailedError, TrackingError
 from recsys.core.layout import DataFile
+from recsys.model.defaults import DataShape
+from recsys.model.defaults import resolve as resolve_auto
 from recsys.tracking import runs as tracking
 from recsys.training.trainer import train
 
@@ -51,6 +55,8 @@ KIND_TAG = "recsys.kind"
 # What MLflow's client raises when its store cannot be reached or written (as recsys.tracking).
 _TRACKING_FAILURES = (MlflowException, requests.RequestException, OSError)
 STATE_TAG = "recsys.trial_state"
+ROLE_TAG = "recsys.trial_role"
+_BASELINE = "baseline"
 
 
 def tune_experiment(config: RecsysConfig) -> str:
@@ -85,6 +91,29 @@ def trial_config(config: RecsysConfig, params: dict[str, Any]) -> RecsysConfig:
     history = params.get("model.history_length", config.model.history_length)
     values["preprocess.history_length"] = max(config.preprocess.history_length, int(history))
     return set_values(config, values)
+
+
+def baseline_params(
+    config: RecsysConfig, stats: dict[str, Any] | None = None
+) -> tuple[dict[str, Any], str | None]:
+    """The base config's values of the searched keys, or ({}, why they cannot be a trial).
+
+    With the data's `stats`, `auto` model settings are resolved as training would resolve
+    them (recsys.model.defaults), so `user_embedding: auto` is the baseline's true or false.
+    """
+    model = config.model
+    if stats is not None:
+        model = resolve_auto(model, DataShape.from_stats(stats))[0]
+    sections = {"model": model, "training": config.training}
+    params: dict[str, Any] = {}
+    for key, dimension in config.tune.space.items():
+        section, name = key.split(".")
+        value = getattr(sections[section], name)
+        if not dimension.contains(value):
+            shown = dimension.model_dump(exclude_none=True, exclude_defaults=True)
+            return {}, f"the base config's {key}={value!r} is outside tune.space ({shown})"
+        params[key] = value
+    return params, None
 
 
 def suggest(trial: optuna.Trial, space: dict[str, SearchDimension]) -> dict[str, Any]:
@@ -168,6 +197,14 @@ class TuneResult:
     output: Path
     states: dict[str, int] = field(default_factory=dict)
     seconds: float = 0.0
+    # The base config's own trial: its value (None: not run or not complete), or why skipped.
+    baseline_value: float | None = None
+    baseline_skipped: str | None = None
+
+    @property
+    def best_is_baseline(self) -> bool:
+        """Whether no sampled trial beat the base config's own settings."""
+        return self.baseline_value is not None and self.best_value <= self.baseline_value
 
 
 def tune(
@@ -209,6 +246,7 @@ def tune(
         sampler=optuna.samplers.TPESampler(seed=tc.seed),
         pruner=_pruner(config),
     )
+    skipped = _enqueue_baseline(config, stats, study, client, parent)
     # Optuna's timeout only keeps new trials from starting; the deadline also ends the running
     # trial after its current epoch, so a search overruns its budget by one epoch at most.
     deadline = None if timeout_seconds is None else time.monotonic() + timeout_seconds
@@ -222,6 +260,7 @@ def tune(
         )
         result = _finish(config, study, client, parent, experiment, output, base_yaml)
         result.seconds = time.perf_counter() - start
+        result.baseline_skipped = skipped
         status = RunStatus.FINISHED
         return result
     except _TRACKING_FAILURES as exc:
@@ -238,6 +277,28 @@ def _tracking_error(uri: str, exc: Exception) -> TrackingError:
         f"({type(exc).__name__}: {reason}); check the server (mlflow/README.md) or set "
         "tracking.uri / MLFLOW_TRACKING_URI"
     )
+
+
+def _enqueue_baseline(
+    config: RecsysConfig,
+    stats: dict[str, Any],
+    study: optuna.Study,
+    client: MlflowClient,
+    parent: str,
+) -> str | None:
+    """Make trial 0 the base config's settings; None, or why there is no such trial."""
+    if not config.tune.baseline:
+        reason = "tune.baseline is false"
+    else:
+        params, reason = baseline_params(config, stats)
+    if reason is None:
+        study.enqueue_trial(params, user_attrs={_BASELINE: True})
+        log.info("trial 0 is the baseline: the base config's settings %s", params)
+    else:
+        log.warning("no baseline trial: %s", reason)
+    with tracking.bounded_http_retries():
+        client.log_param(parent, "baseline", "trial 0" if reason is None else reason[:500])
+    return reason
 
 
 def _pruner(config: RecsysConfig) -> optuna.pruners.BasePruner:
@@ -305,6 +366,7 @@ class _Objective:
                     MLFLOW_PARENT_RUN_ID: self.parent,
                     MLFLOW_RUN_NAME: f"trial-{trial.number}",
                     KIND_TAG: "tune-trial",
+                    ROLE_TAG: _BASELINE if trial.user_attrs.get(_BASELINE) else "sampled",
                     "optuna.trial": str(trial.number),
                 },
             ).info.run_id
@@ -363,25 +425,43 @@ def _finish(
             "in experiment " + experiment
         )
     best = study.best_trial
+    baseline = next((t.value for t in complete if t.user_attrs.get(_BASELINE)), None)
+    best_is_base = bool(best.user_attrs.get(_BASELINE))
+    metric = config.tune.metric
     header = (
         f"Written by `recsys tune` at {dt.datetime.now(dt.UTC):%Y-%m-%d %H:%M} UTC: best of "
         f"{len(study.trials)} trials on the validation split (trial {best.number}, "
-        f"{config.tune.metric} = {best.value:.4f}); MLflow experiment {experiment}, parent "
-        f"run {parent}. Use it as it is: recsys nightly --config <this file>"
+        f"{metric} = {best.value:.4f}; {_against_baseline(best, baseline)}); MLflow "
+        f"experiment {experiment}, parent run {parent}. Use it as it is: recsys nightly "
+        "--config <this file>"
     )
-    write_config(config, best.params, output, base_yaml, header)
+    # The baseline won: the base settings as written (an `auto` stays auto), not as resolved.
+    write_config(config, {} if best_is_base else best.params, output, base_yaml, header)
+    now = int(time.time() * 1000)
+    metrics = [Metric(f"best_validation_{metric}", best.value, now, 0)]
+    metrics += [Metric(f"trials_{k}", float(v), now, 0) for k, v in states.items()]
+    if baseline is not None:
+        metrics.append(Metric(f"baseline_validation_{metric}", baseline, now, 0))
     with tracking.bounded_http_retries():
         client.log_batch(
             parent,
-            metrics=[Metric(f"best_validation_{config.tune.metric}", best.value,
-                            int(time.time() * 1000), 0)]
-            + [Metric(f"trials_{k}", float(v), int(time.time() * 1000), 0)
-               for k, v in states.items()],
+            metrics=metrics,
             params=[Param(f"best.{k}", json.dumps(v)) for k, v in best.params.items()],
-        )  # fmt: skip
+        )
         client.set_tag(parent, "best_trial_run_id", best.user_attrs.get("mlflow_run_id", ""))
         tracking.log_file_redacted(client, parent, output)
-    return TuneResult(parent, experiment, best.params, best.value, best.number, output, states)
+    return TuneResult(
+        parent, experiment, best.params, best.value, best.number, output, states,
+        baseline_value=baseline,
+    )  # fmt: skip
+
+
+def _against_baseline(best: optuna.trial.FrozenTrial, baseline: float | None) -> str:
+    if baseline is None:
+        return "no baseline trial completed"
+    if best.user_attrs.get(_BASELINE):
+        return "the base config's own settings: no sampled trial beat them"
+    return f"the base config's own settings scored {baseline:.4f}"
 
 
 def write_config(

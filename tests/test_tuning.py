@@ -13,7 +13,7 @@ from mlflow import MlflowClient
 
 from conductor.cli import main
 from recsys import tuning
-from recsys.core.config import RecsysConfig, load_config, parse_config
+from recsys.core.config import RecsysConfig, SearchDimension, load_config, parse_config
 from recsys.core.errors import ConfigError
 from recsys.core.layout import Workdir
 from recsys.data_io import load_split
@@ -30,6 +30,8 @@ SPACE = {
 def _config(uri: str | None = None) -> RecsysConfig:
     raw = {
         **SMALL,
+        # Every base value lies in SPACE, so trial 0 is the baseline.
+        "model": {**SMALL["model"], "history_length": 10},
         "tune": {"space": SPACE, "trials": 3, "startup_trials": 1, "metric": "recall_at_10"},
     }
     if uri:
@@ -76,6 +78,20 @@ def test_trials_are_child_runs_and_the_test_split_is_never_read(
         assert set(child.data.params) == set(SPACE)
         curve = client.get_metric_history(child.info.run_id, "val_recall_at_10")
         assert [m.step for m in curve] == list(range(len(curve))) and curve
+    # Trial 0 trained the base config's own settings, so the winner is measured against them.
+    roles = {c.data.tags["optuna.trial"]: c.data.tags[tuning.ROLE_TAG] for c in children}
+    assert roles == {"0": "baseline", "1": "sampled", "2": "sampled"}
+    (baseline,) = [c for c in children if c.data.tags[tuning.ROLE_TAG] == "baseline"]
+    assert baseline.data.params == {
+        "model.embedding_dim": "16", "model.history_length": "10", "training.learning_rate": "0.01"
+    }  # fmt: skip
+    assert parent.data.params["baseline"] == "trial 0"
+    assert (
+        result.baseline_value
+        == pytest.approx(baseline.data.metrics["validation_recall_at_10"])
+        == pytest.approx(parent.data.metrics["baseline_validation_recall_at_10"])
+    )
+    assert result.best_value >= result.baseline_value
     best_child = client.get_run(parent.data.tags["best_trial_run_id"])
     assert best_child.data.metrics["validation_recall_at_10"] == pytest.approx(result.best_value)
     assert parent.data.metrics["best_validation_recall_at_10"] == pytest.approx(result.best_value)
@@ -115,7 +131,11 @@ def test_a_trial_below_the_median_is_pruned_and_stops_training(server: MlflowSer
 
 
 def test_cli_tune_writes_a_config_the_nightly_accepts(tmp_path: Path, capsys) -> None:
-    raw = {**SMALL, "tune": {"space": {"model.embedding_dim": {"choices": [8, 16]}}}}
+    space = {
+        "model.embedding_dim": {"choices": [8, 16]},
+        "model.user_embedding": {"choices": [True, False]},
+    }
+    raw = {**SMALL, "model": {**SMALL["model"], "user_embedding": "auto"}, "tune": {"space": space}}
     source = tmp_path / "small.yaml"
     source.write_text(yaml.safe_dump(raw))
     work = tmp_path / "work"
@@ -125,9 +145,17 @@ def test_cli_tune_writes_a_config_the_nightly_accepts(tmp_path: Path, capsys) ->
     out = capsys.readouterr().out
     best = work / "tune" / SMALL_DATE / "best.yaml"
     assert f"config:      {best}" in out
-    assert best.read_text().startswith("# Written by `recsys tune`")
+    # One trial is the baseline alone: what is written is the base config's own settings.
+    assert "baseline:    trial 0 (the base config's settings), validation " in out
+    assert out.rstrip().count("no sampled trial beat it") == 1
+    text = best.read_text()
+    assert text.startswith("# Written by `recsys tune`")
+    assert "the base config's own settings: no sampled trial beat them" in " ".join(
+        line.lstrip("# ") for line in text.splitlines()
+    )
     written = load_config(best)
-    assert written.model.embedding_dim in (8, 16)
+    # As written: the baseline trained `auto` resolved for the data, and `auto` it stays.
+    assert written.model.embedding_dim == 16 and written.model.user_embedding == "auto"
     assert written.model_name == "test-model"
     # The local SQLite store under the workdir holds the search.
     store = f"sqlite:///{work.resolve() / 'mlflow' / 'mlflow.db'}"
@@ -152,6 +180,39 @@ def test_search_space_keys_and_values_are_validated() -> None:
                                                                     "log": True}}}})  # fmt: skip
     # The space never changes a nightly run's identity.
     assert parse_config({"tune": {"trials": 5}}).digest() == parse_config({}).digest()
+
+
+def test_the_baseline_trial_is_skipped_with_the_reason_when_the_space_excludes_it() -> None:
+    space = {**SPACE, "model.temperature": {"low": 0.05, "high": 0.5, "step": 0.05}}
+    model = {"embedding_dim": 16, "history_length": 10, "temperature": 0.1}
+    base = parse_config({"model": model, "tune": {"space": space}})
+    assert tuning.baseline_params(base) == (
+        {"model.embedding_dim": 16, "model.history_length": 10, "model.temperature": 0.1,
+         "training.learning_rate": 0.01},
+        None,
+    )  # fmt: skip
+    for change, why in [
+        ({"history_length": 20}, "history_length=20 is outside tune.space ({'choices': [5, 10]})"),
+        ({"temperature": 0.12}, "model.temperature=0.12 is outside"),  # off the step
+        ({"temperature": 0.55}, "model.temperature=0.55 is outside"),  # above the range
+    ]:  # fmt: skip
+        params, reason = tuning.baseline_params(
+            parse_config({"model": {**model, **change}, "tune": {"space": space}})
+        )
+        assert params == {} and reason is not None and why in reason
+    # The shipped configs' own settings lie in the default space once `auto` is resolved for
+    # the data (user_embedding: auto is outside its true/false choices until then).
+    for shipped in sorted(Path("configs").glob("*.yaml")):
+        config = load_config(shipped)
+        assert "user_embedding='auto'" in (tuning.baseline_params(config)[1] or "")
+        for events, table in ((8, False), (106, True)):
+            stats = {"items": 1682, "users": 10, "splits": {"train": 10 * events}}
+            params, reason = tuning.baseline_params(config, stats)
+            assert reason is None and params["model.user_embedding"] is table, shipped
+    # Typed: a boolean is not the choice 1, an integer range takes no float.
+    assert not SearchDimension(choices=[1, 2]).contains(True)
+    assert not SearchDimension(low=1, high=4).contains(2.0)
+    assert SearchDimension(low=1, high=4).contains(2)
 
 
 def test_trials_train_without_the_refit_their_score_would_leak_into(tmp_path: Path) -> None:

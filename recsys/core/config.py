@@ -5,6 +5,7 @@ from __future__ import annotations
 import datetime as dt
 import hashlib
 import json
+import math
 import re
 from pathlib import Path
 from typing import Annotated, Any, Literal
@@ -554,6 +555,20 @@ class SearchDimension(_Strict):
         """The values whose validity stands for all: every choice, or both bounds."""
         return list(self.choices) if self.choices is not None else [self.low, self.high]
 
+    def contains(self, value: Any) -> bool:
+        """Whether the search could propose `value` (one of the choices, or on the range)."""
+        if self.choices is not None:
+            # Typed: True must not match a choice of 1, nor 64 a choice of 64.0.
+            return any(type(c) is type(value) and c == value for c in self.choices)
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            return False
+        if self.is_int and not isinstance(value, int):
+            return False
+        if not self.low <= value <= self.high:
+            return False
+        steps = 0.0 if self.step is None else (value - self.low) / self.step
+        return math.isclose(steps, round(steps), abs_tol=1e-9)
+
 
 class TuneConfig(_Strict):
     """`recsys tune`: hyper-parameter search on the validation split (never the test split)."""
@@ -570,6 +585,10 @@ class TuneConfig(_Strict):
     startup_trials: int = Field(3, ge=0)  # trials never pruned (the median needs some)
     warmup_epochs: int = Field(1, ge=0)  # epochs of a trial before it may be pruned
     seed: int = 0
+    # Trial 0 trains the base config's own settings (Optuna's enqueue_trial), so the winner is
+    # measured against them on the same validation item; skipped (logged) when one of them
+    # is not in `space`.
+    baseline: bool = True
     # Dotted config key (model.* or training.*) -> its search range; new settings of the model
     # become searchable by adding an entry.
     space: dict[str, SearchDimension] = Field(
