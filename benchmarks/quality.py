@@ -21,6 +21,9 @@ with the user's non-test items removed:
 
 Each (model, seed) result is written to the results JSON as soon as it exists, so a run can
 be resumed (`--resume`) or split across invocations; `--table` prints the markdown tables.
+Each run's per-user ranks of the scored item go to `<results>.ranks.npz` beside the JSON, so
+`--paired A B` can compare two models on the same users (mean difference per metric and its
+bootstrap interval over users: the users are the sample that decides small differences).
 
 Usage:
     .venv/bin/python benchmarks/quality.py --data ml-100k amazon-beauty --seeds 0 1 2
@@ -72,8 +75,20 @@ log = logging.getLogger("quality")
 
 
 def _metrics(score_fn: ev.ScoreFn, data: ev.EvalSet) -> dict[str, float]:
-    result = ev.evaluate(score_fn, data, EVAL).metrics
-    return {k: round(result[k], 4) for k in REPORTED}
+    return _scored(score_fn, data)[0]
+
+
+def _scored(score_fn: ev.ScoreFn, data: ev.EvalSet) -> tuple[dict[str, float], np.ndarray]:
+    """The reported metrics and each user's capped rank (`RANK_CAP`: beyond it, or a miss)."""
+    result = ev.evaluate(score_fn, data, EVAL)
+    rank = result.per_user["rank"]
+    ranks = np.where((rank < 0) | (rank > RANK_CAP), RANK_CAP, rank).astype(np.uint8)
+    return {k: round(result.metrics[k], 4) for k in REPORTED}, ranks
+
+
+RANK_CAP = 100
+"""0-based ranks are kept up to 99 (every reported metric reads no further); 100: the rest."""
+RANKS_KEY = "_ranks"
 
 
 class Bench:
@@ -129,8 +144,8 @@ def _users_with_last_second_ties(log: protocol.Log) -> int:
 def run_popularity(b: Bench, seed: int) -> dict[str, Any]:
     """Training (+ validation) interaction counts as every user's scores."""
     val = _metrics(ev.popularity_scores(_counts(b.train_x)), b.val_set)
-    test = _metrics(ev.popularity_scores(_counts(b.trainval_x)), b.test_set)
-    return {"validation": val, "test": test}
+    test, ranks = _scored(ev.popularity_scores(_counts(b.trainval_x)), b.test_set)
+    return {"validation": val, "test": test, RANKS_KEY: ranks}
 
 
 def _counts(x: Any) -> np.ndarray:
@@ -151,8 +166,14 @@ def run_ease(b: Bench, seed: int) -> dict[str, Any]:
         log.info("%s ease lambda %g: %s", b.name, l2, tried[l2])
     best = max(tried, key=lambda k: tried[k]["ndcg_at_10"])
     weights = baselines.ease_weights(b.trainval_x, best)
-    test = _metrics(baselines.ease_scores(b.trainval_x[b.test_rows], weights), b.test_set)
-    return {"lambda": best, "validation": tried[best], "grid": tried, "test": test}
+    test, ranks = _scored(baselines.ease_scores(b.trainval_x[b.test_rows], weights), b.test_set)
+    return {
+        "lambda": best,
+        "validation": tried[best],
+        "grid": tried,
+        "test": test,
+        RANKS_KEY: ranks,
+    }
 
 
 def als_grid(num_items: int) -> list[tuple[int, float, float]]:
@@ -200,10 +221,10 @@ def run_als(b: Bench, seed: int) -> dict[str, Any]:
         _ALS_CHOICE[b.name] = (best, {str(k): v for k, v in tried.items()})
     (f, r, a), grid = _ALS_CHOICE[b.name]
     users, items = als_user_items(b.trainval_x, f, r, a, seed=seed)
-    test = _metrics(_als_scores(users, items, b.test_rows), b.test_set)
+    test, ranks = _scored(_als_scores(users, items, b.test_rows), b.test_set)
     return {
         "factors": f, "reg": r, "alpha": a, "validation": grid[str((f, r, a))],
-        "grid": grid, "test": test,
+        "grid": grid, "test": test, RANKS_KEY: ranks,
     }  # fmt: skip
 
 
@@ -272,12 +293,13 @@ def run_sasrec(b: Bench, seed: int, results: dict[str, Any], args: Any) -> dict[
     start = time.perf_counter()
     trainer = sasrec.refit(n, b.sequences(list(range(len(b.split.users))), True), settings,
                            chosen["best_epoch"])  # fmt: skip
+    test, ranks = _scored(trainer.scores(test_queries), b.test_set)
     return {
         "label": label, "settings": asdict(settings), "best_epoch": chosen["best_epoch"],
         "refit_seconds": round(time.perf_counter() - start, 1),
         "validation": {"ndcg_at_10": chosen["validation_ndcg_at_10"]},
         "test_without_refit": chosen.get("test_without_refit", chosen.get("test")),
-        "test": _metrics(trainer.scores(test_queries), b.test_set),
+        "test": test, RANKS_KEY: ranks,
     }  # fmt: skip
 
 
@@ -347,7 +369,7 @@ class Ours:
         exported = stages.export(config, self.workdir, self.date, run_dir.name, verify=False)
         scores, missing = self.parquet_scores(exported.embeddings)
         evaluated = {k: round(report["model"][k], 4) for k in REPORTED}
-        scored = _metrics(scores, self.scored)
+        scored, ranks = _scored(scores, self.scored)
         return {
             "config": str(base.relative_to(REPO) if base.is_relative_to(REPO) else base),
             "seed": seed,
@@ -365,6 +387,7 @@ class Ours:
             "export_version": exported.version,
             "scored_users_missing_from_users_parquet": missing["users"],
             "catalog_items_missing_from_items_parquet": missing["items"],
+            RANKS_KEY: ranks,
         }
 
     def tune(self, base: Path, trials: int, keep: Path) -> tuple[Path, dict[str, Any]]:
@@ -432,12 +455,35 @@ class Ours:
 # --- driver ----------------------------------------------------------------------------------
 
 
-def _save(args: Any, results: dict[str, Any]) -> None:
+def _save(args: Any, results: dict[str, Any], ranks: dict[str, np.ndarray] | None = None) -> None:
     path = Path(args.current_out)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(".tmp")
     tmp.write_text(json.dumps(results, indent=2, default=str) + "\n")
     tmp.replace(path)
+    if ranks:
+        save_ranks(ranks_path(path), ranks)
+
+
+def ranks_path(results: Path) -> Path:
+    """The results file's per-user ranks: `<stem>.ranks.npz` beside it."""
+    return results.with_name(f"{results.stem}.ranks.npz")
+
+
+def save_ranks(path: Path, ranks: dict[str, np.ndarray]) -> None:
+    """Each run's per-user capped ranks (key "model/seedN"; users in the protocol's order)."""
+    tmp = path.with_name(f".{path.name}.tmp")
+    with tmp.open("wb") as f:
+        np.savez_compressed(f, **{k.replace("/", "__"): v for k, v in ranks.items()})
+    tmp.replace(path)
+
+
+def load_ranks(path: Path) -> dict[str, np.ndarray]:
+    """What `save_ranks` wrote; empty if there is no such file (older results)."""
+    if not path.is_file():
+        return {}
+    with np.load(path) as data:
+        return {k.replace("__", "/"): data[k] for k in data.files}
 
 
 def out_path(name: str, out: str | None) -> Path:
@@ -464,6 +510,7 @@ def run_dataset(name: str, args: Any) -> dict[str, Any]:
     results["data"] = b.summary()
     results["command"] = "python benchmarks/quality.py " + " ".join(sys.argv[1:])
     runs = results.setdefault("runs", {})
+    ranks = load_ranks(ranks_path(Path(args.current_out))) if args.resume else {}
     with tempfile.TemporaryDirectory(prefix="quality-") as tmp:
         ours: Ours | None = None
         tuned: Path | None = None
@@ -505,13 +552,58 @@ def run_dataset(name: str, args: Any) -> dict[str, Any]:
                     continue
                 out["wall_seconds"] = round(time.perf_counter() - start, 1)
                 out["load_average_1min"] = round(os.getloadavg()[0], 1)
+                ranks[key] = out.pop(RANKS_KEY)
                 runs[key] = out
                 results.get("errors", {}).pop(key, None)
                 log.info("%s %s %s %s", name, key, args.stage, out.get(args.stage))
-                _save(args, results)
+                _save(args, results, ranks)
     results["finished"] = dt.datetime.now(dt.UTC).isoformat(timespec="seconds")
-    _save(args, results)
+    _save(args, results, ranks)
     return results
+
+
+def merge_ranks(paths: list[Path], merged: dict[str, Any]) -> dict[str, np.ndarray]:
+    """The per-user ranks of the merged runs, each from the file its run was taken from."""
+    ranks: dict[str, np.ndarray] = {}
+    for path in paths:
+        for key, value in load_ranks(ranks_path(path)).items():
+            ranks.setdefault(key, value)
+    return {k: v for k, v in ranks.items() if k in merged["runs"]}
+
+
+def paired(ranks: dict[str, np.ndarray], a: str, b: str, resamples: int = 10_000) -> str:
+    """Model `a` against `b` on the same users: each metric's mean difference, 95% CI.
+
+    Each user's value is averaged over the model's seeds first; the interval is a percentile
+    bootstrap over users (seeded), so it measures how much the users sampled decide.
+    """
+    values = {m: _per_user(ranks, m) for m in (a, b)}
+    rng = np.random.default_rng(0)
+    users = len(next(iter(values[a].values())))
+    picks = rng.integers(0, users, size=(resamples, users))
+    lines = [f"| metric | {a} | {b} | {a} - {b} (95% CI over users) | relative |",
+             "|---|---:|---:|---|---:|"]  # fmt: skip
+    for metric in ("recall_at_10", "ndcg_at_10", "recall_at_50", "mrr_at_100"):
+        diff = values[a][metric] - values[b][metric]
+        low, high = np.percentile(diff[picks].mean(axis=1), [2.5, 97.5])
+        base = values[b][metric].mean()
+        lines.append(
+            f"| {metric} | {values[a][metric].mean():.4f} | {base:.4f} | {diff.mean():+.4f} "
+            f"({low:+.4f}, {high:+.4f}) | {diff.mean() / base:+.1%} ({low / base:+.1%}, "
+            f"{high / base:+.1%}) |"
+        )
+    return "\n".join(lines)
+
+
+def _per_user(ranks: dict[str, np.ndarray], model: str) -> dict[str, np.ndarray]:
+    seeds = [v for k, v in sorted(ranks.items()) if k.split("/")[0] == model]
+    if not seeds:
+        raise SystemExit(f"no per-user ranks of {model!r} in the results (rerun it)")
+    per_seed = [
+        ev.per_user_values(np.where(r >= RANK_CAP, np.inf, r.astype(np.float64)), EVAL)
+        for r in seeds
+    ]
+    return {m: np.mean([p[m] for p in per_seed], axis=0) for m in per_seed[0] if m != "rank"}
 
 
 def merge(paths: list[Path]) -> dict[str, Any]:
@@ -614,6 +706,10 @@ def main() -> int:
     parser.add_argument("--resume", action="store_true", help="keep results already in the JSON")
     parser.add_argument("--table", action="store_true", help="print the tables of saved results")
     parser.add_argument(
+        "--paired", nargs=2, metavar=("A", "B"),
+        help="saved results: model A against model B on the same test users (bootstrap CI)",
+    )  # fmt: skip
+    parser.add_argument(
         "--merge", nargs="+", help="merge these results files of one dataset into --out"
     )
     args = parser.parse_args()
@@ -621,18 +717,22 @@ def main() -> int:
     for noisy in ("apache_beam", "absl", "tensorflow", "recsys", "beam_jobs", "serving_export"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
     if args.merge:
-        merged = merge([Path(p) for p in args.merge])
+        paths = [Path(p) for p in args.merge]
+        merged = merge(paths)
         args.current_out = out_path(args.data[0], args.out)
-        _save(args, merged)
+        _save(args, merged, merge_ranks(paths, merged))
         print(table(merged, args.stage))
         return 0
     for name in args.data:
-        if args.table:
+        if args.table or args.paired:
             results = json.loads(out_path(name, args.out).read_text())
         else:
             results = run_dataset(name, args)
         print(f"\n{name}: {results['data']}\n{results.get('command', '')}\n")
         print(table(results, args.stage))
+        if args.paired:
+            ranks = load_ranks(ranks_path(out_path(name, args.out)))
+            print("\n" + paired(ranks, *args.paired))
     return 0
 
 

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import numpy as np
+import pytest
 import tensorflow as tf
 
 from benchmarks import protocol, sasrec
@@ -228,3 +230,63 @@ def test_screen_variants_merge_overrides_nested_keys_only() -> None:
         "data": {"source": "csv"},
     }
     assert base["model"]["user_embedding"] == "auto"  # the base is not changed
+
+
+def test_per_user_ranks_are_kept_beside_the_results_for_paired_comparisons(
+    tmp_path: Path,
+) -> None:
+    """Every run's per-user ranks go to <results>.ranks.npz; --paired compares two models on
+    the same users, and a merge keeps the ranks of the runs it keeps."""
+    import argparse
+
+    from benchmarks import quality
+
+    rng = np.random.default_rng(0)
+    path = tmp_path / "ratings.csv"
+    lines = [f"{u},{i},{t}\n" for u in range(40) for t, i in enumerate(rng.choice(30, 8, False))]
+    path.write_text("userId,movieId,timestamp\n" + "".join(lines))
+    out = tmp_path / "q.json"
+    args = argparse.Namespace(
+        data=[str(path)], models=["popularity", "ease"], seeds=[0], out=str(out), resume=False,
+        stage="test", config="configs/default.yaml", tuned=None, tune_trials=0,
+    )  # fmt: skip
+    results = quality.run_dataset(str(path), args)
+    ranks = quality.load_ranks(quality.ranks_path(out))
+    assert sorted(ranks) == ["ease/seed0", "popularity/seed0"]
+    assert all(
+        r.dtype == np.uint8 and len(r) == results["data"]["test_users"] for r in ranks.values()
+    )
+    assert all(quality.RANKS_KEY not in run for run in json.loads(out.read_text())["runs"].values())
+    # The ranks give back the metrics the results file reports.
+    for key, r in ranks.items():
+        per_user = quality._per_user({key: r}, key.split("/")[0])
+        for metric in ("recall_at_10", "ndcg_at_10", "mrr_at_100"):
+            assert per_user[metric].mean() == pytest.approx(
+                results["runs"][key]["test"][metric], abs=5e-5
+            )
+    report = quality.paired(ranks, "ease", "popularity", resamples=200)
+    ndcg = {m: quality._per_user(ranks, m)["ndcg_at_10"].mean() for m in ("ease", "popularity")}
+    row = next(line for line in report.splitlines() if line.startswith("| ndcg_at_10 "))
+    assert f"| {ndcg['ease'] - ndcg['popularity']:+.4f} (" in row
+    # A merge keeps the ranks of the runs it keeps, from the file each run came from.
+    other = tmp_path / "other.json"
+    quality.save_ranks(quality.ranks_path(other), {"als/seed0": ranks["ease/seed0"]})
+    merged = {"runs": {"ease/seed0": {}, "als/seed0": {}}}
+    assert sorted(quality.merge_ranks([out, other], merged)) == ["als/seed0", "ease/seed0"]
+
+
+def test_paired_differences_on_identical_users_have_a_point_interval() -> None:
+    from benchmarks import quality
+
+    ranks = {
+        "a/seed0": np.zeros(50, np.uint8),  # every user's item first
+        "b/seed0": np.full(50, 4, np.uint8),  # fifth
+        "b/seed1": np.full(50, quality.RANK_CAP, np.uint8),  # beyond the cap: a miss
+    }
+    report = quality.paired(ranks, "a", "b", resamples=100)
+    b_ndcg = (1 / np.log2(6)) / 2  # each user's value averaged over b's two seeds
+    row = next(line for line in report.splitlines() if line.startswith("| ndcg_at_10 "))
+    diff = 1 - b_ndcg
+    assert f"| 1.0000 | {b_ndcg:.4f} | {diff:+.4f} ({diff:+.4f}, {diff:+.4f})" in row
+    with pytest.raises(SystemExit, match="no per-user ranks of 'c'"):
+        quality.paired(ranks, "a", "c")
