@@ -482,7 +482,7 @@ def load_ranks(path: Path) -> dict[str, np.ndarray]:
     """What `save_ranks` wrote; empty if there is no such file (older results)."""
     if not path.is_file():
         return {}
-    with np.load(path) as data:
+    with np.load(path, allow_pickle=False) as data:
         return {k.replace("__", "/"): data[k] for k in data.files}
 
 
