@@ -246,7 +246,6 @@ def tune(
         sampler=optuna.samplers.TPESampler(seed=tc.seed),
         pruner=_pruner(config),
     )
-    skipped = _enqueue_baseline(config, stats, study, client, parent)
     # Optuna's timeout only keeps new trials from starting; the deadline also ends the running
     # trial after its current epoch, so a search overruns its budget by one epoch at most.
     deadline = None if timeout_seconds is None else time.monotonic() + timeout_seconds
@@ -254,6 +253,7 @@ def tune(
     start = time.perf_counter()
     status = RunStatus.FAILED
     try:
+        skipped = _enqueue_baseline(config, stats, study, client, parent)
         # An out-of-memory trial (too big a batch) fails alone; the search goes on.
         study.optimize(
             objective, n_trials=trials, timeout=timeout_seconds, catch=(OutOfMemoryError,)

@@ -244,6 +244,7 @@ def test_the_timeout_also_stops_the_running_trial_after_its_epoch(
     raw = _config(server.uri).model_dump(mode="json")
     raw["training"]["epochs"] = 4
     raw["training"]["early_stopping_patience"] = 0
+    raw["tune"]["baseline"] = False  # also: a search without its baseline trial
     config = parse_config(raw)
     result = tuning.tune(
         config, data_dir, tmp_path / "best.yaml", workdir=workdir.root, trials=3,
@@ -257,6 +258,10 @@ def test_the_timeout_also_stops_the_running_trial_after_its_epoch(
     assert len(children) == 1  # no trial starts after the deadline
     (child,) = children
     assert child.data.tags[tuning.STATE_TAG] == "timed_out"
+    assert child.data.tags[tuning.ROLE_TAG] == "sampled"
+    parent = client.get_run(result.parent_run_id)
+    assert parent.data.params["baseline"] == "tune.baseline is false"
+    assert result.baseline_value is None and result.baseline_skipped == "tune.baseline is false"
     assert len(client.get_metric_history(child.info.run_id, "val_recall_at_10")) == 1
     # The epochs it ran still count: its value is what the written config was chosen by.
     assert result.best_value == pytest.approx(child.data.metrics["validation_recall_at_10"])
