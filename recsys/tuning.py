@@ -101,19 +101,24 @@ def baseline_params(
     With the data's `stats`, `auto` model settings are resolved as training would resolve
     them (recsys.model.defaults), so `user_embedding: auto` is the baseline's true or false.
     """
+    params = base_values(config, stats)
+    for key, dimension in config.tune.space.items():
+        if not dimension.contains(params[key]):
+            shown = dimension.model_dump(exclude_none=True, exclude_defaults=True)
+            value = params[key]
+            return {}, f"the base config's {key}={value!r} is outside tune.space ({shown})"
+    return params, None
+
+
+def base_values(config: RecsysConfig, stats: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The base config's values of the searched keys; `auto` resolved only given `stats`."""
     model = config.model
     if stats is not None:
         model = resolve_auto(model, DataShape.from_stats(stats))[0]
     sections = {"model": model, "training": config.training}
-    params: dict[str, Any] = {}
-    for key, dimension in config.tune.space.items():
-        section, name = key.split(".")
-        value = getattr(sections[section], name)
-        if not dimension.contains(value):
-            shown = dimension.model_dump(exclude_none=True, exclude_defaults=True)
-            return {}, f"the base config's {key}={value!r} is outside tune.space ({shown})"
-        params[key] = value
-    return params, None
+    return {
+        key: getattr(sections[key.split(".")[0]], key.split(".")[1]) for key in config.tune.space
+    }
 
 
 def suggest(trial: optuna.Trial, space: dict[str, SearchDimension]) -> dict[str, Any]:
@@ -200,11 +205,7 @@ class TuneResult:
     # The base config's own trial: its value (None: not run or not complete), or why skipped.
     baseline_value: float | None = None
     baseline_skipped: str | None = None
-
-    @property
-    def best_is_baseline(self) -> bool:
-        """Whether no sampled trial beat the base config's own settings."""
-        return self.baseline_value is not None and self.best_value <= self.baseline_value
+    best_is_baseline: bool = False  # no sampled trial beat the base config's own settings
 
 
 def tune(
@@ -427,6 +428,8 @@ def _finish(
     best = study.best_trial
     baseline = next((t.value for t in complete if t.user_attrs.get(_BASELINE)), None)
     best_is_base = bool(best.user_attrs.get(_BASELINE))
+    # The baseline won: its settings as the written file has them (`auto` stays auto).
+    best_params = base_values(config) if best_is_base else best.params
     metric = config.tune.metric
     header = (
         f"Written by `recsys tune` at {dt.datetime.now(dt.UTC):%Y-%m-%d %H:%M} UTC: best of "
@@ -446,13 +449,13 @@ def _finish(
         client.log_batch(
             parent,
             metrics=metrics,
-            params=[Param(f"best.{k}", json.dumps(v)) for k, v in best.params.items()],
+            params=[Param(f"best.{k}", json.dumps(v)) for k, v in best_params.items()],
         )
         client.set_tag(parent, "best_trial_run_id", best.user_attrs.get("mlflow_run_id", ""))
         tracking.log_file_redacted(client, parent, output)
     return TuneResult(
-        parent, experiment, best.params, best.value, best.number, output, states,
-        baseline_value=baseline,
+        parent, experiment, best_params, best.value, best.number, output, states,
+        baseline_value=baseline, best_is_baseline=best_is_base,
     )  # fmt: skip
 
 

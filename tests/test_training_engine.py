@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import datetime as dt
 import json
+import math
 import os
 import signal
 import subprocess
@@ -379,6 +380,59 @@ def test_refit_all_also_trains_on_test_and_keeps_the_first_fit_for_evaluation(
     np.testing.assert_array_equal(first, snapshots[1])  # the first fit's kept epoch
     served = result.model.candidate_tower.embedding.embeddings.numpy()
     assert not np.allclose(served, first)
+
+
+class _Rates(tf.keras.callbacks.Callback):
+    """The optimizer's learning rate at the end of each epoch, per fit."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fit = "train"
+        self.rates: dict[str, list[float]] = {}
+
+    def begin_fit(self, fit: str) -> None:
+        self.fit = fit
+
+    def on_epoch_end(self, epoch: int, logs: dict[str, float] | None = None) -> None:
+        rate = float(self.model.optimizer.learning_rate)
+        self.rates.setdefault(self.fit, []).append(rate)
+
+
+def _cosine(base: float, step: int, total: int) -> float:
+    return base * (1 + math.cos(math.pi * min(step, total) / total)) / 2
+
+
+def test_cosine_schedule_decays_over_the_configured_epochs_of_each_fit(
+    prepared: tuple[RecsysConfig, Workdir, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Epoch e of E ends at rate lr (1 + cos(pi (e n - 1) / (E n))) / 2, n the fit's steps per
+    epoch (the last step's rate); the refit's n counts its own, larger, splits."""
+    config, _, data_dir = prepared
+    _scripted_validation(monkeypatch, [0.1, 0.3, 0.2, 0.2])
+    base, epochs, batch = 0.02, 6, 256
+    cfg = with_updates(
+        config,
+        training={
+            "epochs": epochs, "early_stopping_patience": 2, "refit": "validation",
+            "learning_rate": base, "learning_rate_schedule": "cosine", "batch_size": batch,
+        },
+    )  # fmt: skip
+    rates = _Rates()
+    result = trainer.train(cfg, data_dir, callbacks=[rates])
+    splits = json.loads((data_dir / DataFile.STATS).read_text())["splits"]
+    assert result.best_epoch == 2 and result.refit_epochs == 2
+    for fit, rows, run in (
+        ("train", splits["train"], 4),
+        ("refit", splits["train"] + splits["validation"], 2),
+    ):
+        n = -(-rows // batch)
+        expected = [_cosine(base, e * n - 1, epochs * n) for e in range(1, run + 1)]
+        np.testing.assert_allclose(rates.rates[fit], expected, rtol=1e-5)
+    constant = with_updates(cfg, training={"learning_rate_schedule": "constant", "refit": "off"})
+    flat = _Rates()
+    _scripted_validation(monkeypatch, [0.1, 0.3, 0.2, 0.2])
+    trainer.train(constant, data_dir, callbacks=[flat])
+    assert flat.rates["train"] == pytest.approx([base] * 4)
 
 
 @pytest.mark.parametrize(

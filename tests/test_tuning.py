@@ -159,7 +159,14 @@ def test_cli_tune_writes_a_config_the_nightly_accepts(tmp_path: Path, capsys) ->
     assert written.model_name == "test-model"
     # The local SQLite store under the workdir holds the search.
     store = f"sqlite:///{work.resolve() / 'mlflow' / 'mlflow.db'}"
-    assert MlflowClient(store).get_experiment_by_name("test-model-tune") is not None
+    client = MlflowClient(store)
+    experiment = client.get_experiment_by_name("test-model-tune")
+    assert experiment is not None
+    runs = client.search_runs([experiment.experiment_id])
+    (parent,) = [r for r in runs if "best.model.user_embedding" in r.data.params]
+    # The parent's best.* params say what the file says, not the value `auto` resolved to.
+    assert parent.data.params["best.model.user_embedding"] == '"auto"'
+    assert "  model.user_embedding = auto" in out
 
 
 def test_cli_tune_rejects_a_bad_trial_count(tmp_path: Path, capsys) -> None:

@@ -337,6 +337,10 @@ class TrainingConfig(_Strict):
     # which updates every row of every table each step.
     optimizer: Literal["adagrad", "adam", "lazy_adam"] = "lazy_adam"
     learning_rate: float = Field(0.01, gt=0, le=100)
+    # constant: learning_rate throughout. cosine: decays from learning_rate to 0 along a half
+    # cosine over `epochs` epochs of each fit (a refit that stops earlier keeps its first
+    # epochs' rates), so the weights the fit ends on are not a large step's last jump.
+    learning_rate_schedule: Literal["constant", "cosine"] = "constant"
     shuffle_buffer: int = Field(100_000, ge=1, le=MAX_ROWS)
     # Keep the parsed, id-looked-up split in memory after one read and reshuffle it whole every
     # epoch (no gzip re-read, no shuffle-buffer refill). auto: when it is estimated under

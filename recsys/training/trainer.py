@@ -223,14 +223,29 @@ class ValidationRecall(tf.keras.callbacks.Callback):
             shutil.rmtree(self.state_dir, ignore_errors=True)
 
 
-def make_optimizer(config: TrainingConfig, precision: str) -> tf.keras.optimizers.Optimizer:
+def learning_rate(
+    config: TrainingConfig, steps_per_epoch: int
+) -> float | tf.keras.optimizers.schedules.LearningRateSchedule:
+    """`training.learning_rate` under its schedule, over `epochs` epochs of this many steps."""
+    if config.learning_rate_schedule == "cosine":
+        # lr(step) = learning_rate * (1 + cos(pi * min(step, S) / S)) / 2, S = epochs * steps.
+        return tf.keras.optimizers.schedules.CosineDecay(
+            config.learning_rate, decay_steps=max(config.epochs * steps_per_epoch, 1)
+        )
+    return config.learning_rate
+
+
+def make_optimizer(
+    config: TrainingConfig, precision: str, steps_per_epoch: int = 1
+) -> tf.keras.optimizers.Optimizer:
     """The configured optimizer; wrapped in dynamic loss scaling for float16."""
+    rate = learning_rate(config, steps_per_epoch)
     if config.optimizer == "adagrad":
-        optimizer = tf.keras.optimizers.Adagrad(config.learning_rate)
+        optimizer = tf.keras.optimizers.Adagrad(rate)
     elif config.optimizer == "lazy_adam":
-        optimizer = LazyAdam(config.learning_rate)
+        optimizer = LazyAdam(rate)
     else:
-        optimizer = tf.keras.optimizers.Adam(config.learning_rate)
+        optimizer = tf.keras.optimizers.Adam(rate)
     if precision == "mixed_float16":
         return tf.keras.mixed_precision.LossScaleOptimizer(optimizer)
     return optimizer
@@ -328,9 +343,16 @@ def make_strategy(
 
 
 def build_model(
-    config: RecsysConfig, data_dir: Path, precision: str, jit_compile: bool = False
+    config: RecsysConfig,
+    data_dir: Path,
+    precision: str,
+    jit_compile: bool = False,
+    steps_per_epoch: int = 1,
 ) -> tuple[TrainedModel, TwoTowerModel]:
-    """Towers under the precision policy; task, metrics and model in float32 (GOTCHAS)."""
+    """Towers under the precision policy; task, metrics and model in float32 (GOTCHAS).
+
+    `steps_per_epoch` (the fit's batches per epoch) sets the learning-rate schedule's length.
+    """
     users = read_vocab(data_dir / DataFile.USER_VOCAB)
     items = read_vocab(data_dir / DataFile.ITEM_VOCAB)
     features = ItemFeatures()
@@ -354,7 +376,7 @@ def build_model(
         item_log_probabilities(data_dir, trained),
     )
     model.compile(
-        optimizer=make_optimizer(config.training, precision),
+        optimizer=make_optimizer(config.training, precision, steps_per_epoch),
         jit_compile=jit_compile,
         steps_per_execution=config.training.steps_per_execution,
     )
@@ -525,8 +547,9 @@ def _first_fit(
     tc, strategy, stats = config.training, setup.strategy, setup.stats
     replicas = strategy.num_replicas_in_sync
     chief = is_chief(strategy)
+    steps = _steps(_examples_per_epoch(stats["splits"]["train"], tc), tc.batch_size, False)
     with strategy.scope():
-        trained, model = build_model(config, data_dir, setup.precision, setup.jit)
+        trained, model = build_model(config, data_dir, setup.precision, setup.jit, steps)
         if setup.previous is not None:
             copied = warm_start(trained, setup.previous)
             log.info("warm start from %s: rows taken over %s", tc.warm_start_from, copied)
@@ -631,11 +654,12 @@ def _refit(
     epochs = first.best_epoch or tc.epochs
     log.info("refit: %d epoch(s) on the %s splits together", epochs, " + ".join(splits))
     tf.keras.utils.set_random_seed(tc.seed)
+    counts = {"train": sum(int(setup.stats["splits"][name]) for name in splits)}
+    steps = _steps(_examples_per_epoch(counts["train"], tc), tc.batch_size, False)
     with strategy.scope():
-        trained, model = build_model(config, data_dir, first.precision, first.jit_compile)
+        trained, model = build_model(config, data_dir, first.precision, first.jit_compile, steps)
         if setup.previous is not None:
             warm_start(trained, setup.previous)
-    counts = {"train": sum(int(setup.stats["splits"][name]) for name in splits)}
     cached = use_cache(tc.cache, counts, trained, strategy)
     train_ds, _ = _datasets(config, data_dir, trained, strategy, counts, cached, splits)
     timer = EpochTimer()
