@@ -44,7 +44,7 @@ from recsys.core.config import (
 )
 from recsys.core.errors import DataError, OutOfMemoryError, StageFailedError, TrackingError
 from recsys.core.layout import DataFile
-from recsys.model.defaults import DataShape
+from recsys.model.defaults import DataShape, resolve_schedule
 from recsys.model.defaults import resolve as resolve_auto
 from recsys.tracking import runs as tracking
 from recsys.training.trainer import train
@@ -112,10 +112,12 @@ def baseline_params(
 
 def base_values(config: RecsysConfig, stats: dict[str, Any] | None = None) -> dict[str, Any]:
     """The base config's values of the searched keys; `auto` resolved only given `stats`."""
-    model = config.model
+    model, training = config.model, config.training
     if stats is not None:
-        model = resolve_auto(model, DataShape.from_stats(stats))[0]
-    sections = {"model": model, "training": config.training}
+        shape = DataShape.from_stats(stats)
+        model = resolve_auto(model, shape)[0]
+        training = resolve_schedule(config, shape)[0].training
+    sections = {"model": model, "training": training}
     return {
         key: getattr(sections[key.split(".")[0]], key.split(".")[1]) for key in config.tune.space
     }

@@ -13,11 +13,11 @@ import pytest
 import tensorflow as tf
 
 from conductor import stages
-from recsys.core.config import ModelConfig, RecsysConfig
+from recsys.core.config import ModelConfig, RecsysConfig, parse_config, set_values
 from recsys.core.layout import Workdir
 from recsys.losses import in_batch_softmax_loss
 from recsys.model import TrainedModel, TwoTowerModel, warm_start
-from recsys.model.defaults import DataShape, resolve
+from recsys.model.defaults import DataShape, resolve, resolve_schedule
 from recsys.model.encoders import GRUEncoder, TransformerEncoder, right_align
 from recsys.model.negatives import sample_pool
 from recsys.training.memory import FLOAT, estimate
@@ -236,6 +236,19 @@ def test_auto_user_table_is_on_when_users_have_more_events_than_the_window() -> 
     assert resolve(ids_only, DataShape(items=10, events_per_user=1.0))[0].user_embedding is True
     with pytest.raises(ValueError, match="user_embedding 'auto' must be resolved"):
         TrainedModel.build(USERS, ITEMS, config)
+
+
+def test_auto_schedule_is_cosine_when_users_have_more_events_than_the_window() -> None:
+    config = parse_config({"model": {"history_length": 20}})
+    auto = set_values(config, {"training.learning_rate_schedule": "auto"})
+    sparse, reasons = resolve_schedule(auto, DataShape(items=12_000, events_per_user=9.0))
+    assert sparse.training.learning_rate_schedule == "constant"
+    assert reasons == ["learning_rate_schedule=constant (9.0 events/user <= history_length 20)"]
+    dense, _ = resolve_schedule(auto, DataShape(items=1_700, events_per_user=106.0))
+    assert dense.training.learning_rate_schedule == "cosine"
+    assert dense.model == auto.model and dense.training.learning_rate == 0.01
+    # A schedule the config names is kept, whatever the shape.
+    assert resolve_schedule(config, DataShape(items=10, events_per_user=106.0)) == (config, [])
 
 
 def test_warm_start_copies_the_encoder_and_maps_item_rows() -> None:

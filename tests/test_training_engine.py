@@ -406,20 +406,24 @@ def test_cosine_schedule_decays_over_the_configured_epochs_of_each_fit(
     prepared: tuple[RecsysConfig, Workdir, Path], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Epoch e of E ends at rate lr (1 + cos(pi (e n - 1) / (E n))) / 2, n the fit's steps per
-    epoch (the last step's rate); the refit's n counts its own, larger, splits."""
+    epoch (the last step's rate); the refit's n counts its own, larger, splits. `auto` is
+    that on a log with more events per user than the history window, constant otherwise."""
     config, _, data_dir = prepared
+    stats = json.loads((data_dir / DataFile.STATS).read_text())
+    splits, users = stats["splits"], stats["users"]
+    assert 5 < sum(splits.values()) / users <= 20  # dense for a window of 5, sparse for 20
     _scripted_validation(monkeypatch, [0.1, 0.3, 0.2, 0.2])
     base, epochs, batch = 0.02, 6, 256
     cfg = with_updates(
         config,
+        model={"history_length": 5},
         training={
             "epochs": epochs, "early_stopping_patience": 2, "refit": "validation",
-            "learning_rate": base, "learning_rate_schedule": "cosine", "batch_size": batch,
+            "learning_rate": base, "learning_rate_schedule": "auto", "batch_size": batch,
         },
     )  # fmt: skip
     rates = _Rates()
     result = trainer.train(cfg, data_dir, callbacks=[rates])
-    splits = json.loads((data_dir / DataFile.STATS).read_text())["splits"]
     assert result.best_epoch == 2 and result.refit_epochs == 2
     for fit, rows, run in (
         ("train", splits["train"], 4),
@@ -428,7 +432,7 @@ def test_cosine_schedule_decays_over_the_configured_epochs_of_each_fit(
         n = -(-rows // batch)
         expected = [_cosine(base, e * n - 1, epochs * n) for e in range(1, run + 1)]
         np.testing.assert_allclose(rates.rates[fit], expected, rtol=1e-5)
-    constant = with_updates(cfg, training={"learning_rate_schedule": "constant", "refit": "off"})
+    constant = with_updates(cfg, model={"history_length": 20}, training={"refit": "off"})
     flat = _Rates()
     _scripted_validation(monkeypatch, [0.1, 0.3, 0.2, 0.2])
     trainer.train(constant, data_dir, callbacks=[flat])

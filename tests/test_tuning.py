@@ -13,7 +13,13 @@ from mlflow import MlflowClient
 
 from conductor.cli import main
 from recsys import tuning
-from recsys.core.config import RecsysConfig, SearchDimension, load_config, parse_config
+from recsys.core.config import (
+    RecsysConfig,
+    SearchDimension,
+    load_config,
+    parse_config,
+    set_values,
+)
 from recsys.core.errors import ConfigError
 from recsys.core.layout import Workdir
 from recsys.data_io import load_split
@@ -216,6 +222,15 @@ def test_the_baseline_trial_is_skipped_with_the_reason_when_the_space_excludes_i
             stats = {"items": 1682, "users": 10, "splits": {"train": 10 * events}}
             params, reason = tuning.baseline_params(config, stats)
             assert reason is None and params["model.user_embedding"] is table, shipped
+    # A searched schedule: `auto` becomes the schedule training would use on that log.
+    scheduled = set_values(
+        load_config(Path("configs/default.yaml")),
+        {"tune.space": {"training.learning_rate_schedule": {"choices": ["constant", "cosine"]}}},
+    )
+    for events, schedule in ((8, "constant"), (106, "cosine")):
+        stats = {"items": 1682, "users": 10, "splits": {"train": 10 * events}}
+        params, reason = tuning.baseline_params(scheduled, stats)
+        assert reason is None and params == {"training.learning_rate_schedule": schedule}
     # Typed: a boolean is not the choice 1, an integer range takes no float.
     assert not SearchDimension(choices=[1, 2]).contains(True)
     assert not SearchDimension(low=1, high=4).contains(2.0)

@@ -340,7 +340,9 @@ class TrainingConfig(_Strict):
     # constant: learning_rate throughout. cosine: decays from learning_rate to 0 along a half
     # cosine over `epochs` epochs of each fit (a refit that stops earlier keeps its first
     # epochs' rates), so the weights the fit ends on are not a large step's last jump.
-    learning_rate_schedule: Literal["constant", "cosine"] = "constant"
+    # auto: cosine on dense logs (more events per user than model.history_length), constant
+    # otherwise (recsys/model/defaults.py; measured in docs/TRAINING.md).
+    learning_rate_schedule: Literal["auto", "constant", "cosine"] = "constant"
     shuffle_buffer: int = Field(100_000, ge=1, le=MAX_ROWS)
     # Keep the parsed, id-looked-up split in memory after one read and reshuffle it whole every
     # epoch (no gzip re-read, no shuffle-buffer refill). auto: when it is estimated under

@@ -13,6 +13,12 @@ overfits; where it does not, the table carries the older taste. Measured on vali
 off, Amazon Beauty (9 events/user, window 20) gains ~20% Recall@10, MovieLens 100K (106
 events/user) loses 6% (docs/TRAINING.md).
 
+`training.learning_rate_schedule` (the one `auto` training setting): a cosine decay to 0 over
+the configured epochs on dense logs (more events per user than `history_length`, the
+boundary `user_embedding` uses), a constant rate otherwise. Measured on validation with the
+whole pipeline (refit included): MovieLens 100K +6.1% NDCG@10 over 3 seeds (95% interval over
+users +1.8% to +10.7%), Amazon Beauty -1.7% NDCG@10 and -2.8% Recall@10 (docs/TRAINING.md).
+
 `dense_log` (a config rule, not a model setting): on a log whose users average at least
 `dense_log.min_events_per_user` events, its settings replace the config's before any `auto`
 is resolved. The shipped configs carry none (docs/TRAINING.md, "Dense logs").
@@ -67,6 +73,22 @@ def resolve(config: ModelConfig, shape: DataShape) -> tuple[ModelConfig, list[st
             f"{'>' if on else '<='} history_length {window})"
         )
     return (config.model_copy(update=update) if update else config), reasons
+
+
+def resolve_schedule(config: RecsysConfig, shape: DataShape) -> tuple[RecsysConfig, list[str]]:
+    """`config` with `training.learning_rate_schedule: auto` resolved; the reason, if any."""
+    training = config.training
+    if training.learning_rate_schedule != "auto":
+        return config, []
+    window = config.model.history_length
+    dense = shape.events_per_user > window
+    schedule = "cosine" if dense else "constant"
+    reason = (
+        f"learning_rate_schedule={schedule} ({shape.events_per_user:.1f} events/user "
+        f"{'>' if dense else '<='} history_length {window})"
+    )
+    update = {"training": training.model_copy(update={"learning_rate_schedule": schedule})}
+    return config.model_copy(update=update), [reason]
 
 
 def apply_dense_log(config: RecsysConfig, shape: DataShape) -> tuple[RecsysConfig, dict[str, Any]]:

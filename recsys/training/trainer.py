@@ -36,7 +36,7 @@ from recsys.model import (
     read_vocab,
     warm_start,
 )
-from recsys.model.defaults import DataShape, apply_dense_log, resolve
+from recsys.model.defaults import DataShape, apply_dense_log, resolve, resolve_schedule
 from recsys.training.dataset import (
     in_memory_bytes,
     in_memory_dataset,
@@ -466,6 +466,9 @@ def train(
         previous = TrainedModel.load(Path(tc.warm_start_from))
     stats = json.loads((data_dir / DataFile.STATS).read_text())
     config, dense = _dense_log(config, stats)
+    config, reasons = resolve_schedule(config, DataShape.from_stats(stats))
+    for reason in reasons:
+        log.info("training auto setting: %s", reason)
     check_memory(config, stats["users"], stats["items"], stats["splits"]["train"])
     setup = _Setup(
         strategy=strategy,
