@@ -261,14 +261,18 @@ def sasrec_candidates(start: sasrec.Settings) -> list[sasrec.Settings]:
     return list(dict.fromkeys([start, *changed]))
 
 
-def run_sasrec(b: Bench, seed: int, results: dict[str, Any], args: Any) -> dict[str, Any]:
-    """Tuning (seed 0, stored under sasrec_tuning), then a refit with `seed`.
+def _best_sasrec(tuning: dict[str, Any], max_epochs: int) -> sasrec.Settings:
+    """The settings of the tuning fit with the best validation NDCG@10 (a new round's start)."""
+    best = max(tuning.values(), key=lambda info: info["validation_ndcg_at_10"])
+    return replace(sasrec.Settings(**best["settings"]), max_epochs=max_epochs, seed=0)
+
+
+def tune_sasrec(b: Bench, results: dict[str, Any], args: Any) -> dict[str, Any]:
+    """SASRec's tuning fits (seed 0, stored under sasrec_tuning) not already in `results`.
 
     Every tuning fit records its validation NDCG@10, the epoch early stopping kept and the
     test metrics of that fit (`test_without_refit`), also when the candidates ran in separate
-    processes (`--sasrec-candidates`, merged by `--merge`). The chosen settings (by validation
-    only) are then refitted per seed on the sequences including the validation item for the
-    kept epoch count, like EASE, ALS and ours, and that refit is scored on the test item.
+    processes (`--sasrec-candidates`, merged by `--merge`).
     """
 
     tuning = results.setdefault("sasrec_tuning", {})
@@ -277,6 +281,8 @@ def run_sasrec(b: Bench, seed: int, results: dict[str, Any], args: Any) -> dict[
     test_queries = b.sequences(b.test_rows, True)
     n = len(b.split.catalog)
     first = sasrec_start(b, args.sasrec_max_epochs, args.sasrec_length_batches)
+    if args.sasrec_from_best and tuning:
+        first = _best_sasrec(tuning, args.sasrec_max_epochs)
     candidates = sasrec_candidates(first)
     chosen = args.sasrec_candidates or range(args.sasrec_trials)
     for s in [candidates[i] for i in chosen if i < len(candidates)]:
@@ -287,6 +293,20 @@ def run_sasrec(b: Bench, seed: int, results: dict[str, Any], args: Any) -> dict[
         tuning[s.label()] = info
         log.info("%s sasrec %s: %s", b.name, s.label(), info["validation_ndcg_at_10"])
         _save(args, results)
+    return tuning
+
+
+def run_sasrec(b: Bench, seed: int, results: dict[str, Any], args: Any) -> dict[str, Any]:
+    """Tuning (`tune_sasrec`), then a refit of the chosen settings with `seed`.
+
+    The settings are chosen by validation NDCG@10 only, then refitted per seed on the
+    sequences including the validation item for the kept epoch count, like EASE, ALS and
+    ours, and that refit is scored on the test item.
+    """
+
+    tuning = tune_sasrec(b, results, args)
+    test_queries = b.sequences(b.test_rows, True)
+    n = len(b.split.catalog)
     label = max(tuning, key=lambda k: tuning[k]["validation_ndcg_at_10"])
     chosen = tuning[label]
     settings = replace(sasrec.Settings(**chosen["settings"]), seed=seed)
@@ -540,6 +560,9 @@ def run_dataset(name: str, args: Any) -> dict[str, Any]:
                                 _save(args, results)
                             base = tuned
                         out = ours.run(base, seed)
+                    elif model == "sasrec" and args.sasrec_tune_only:
+                        tune_sasrec(b, results, args)
+                        break  # the tuning fits are seed 0's; no refit, no run recorded
                     elif model == "sasrec":
                         out = run_sasrec(b, seed, results, args)
                     else:
@@ -696,6 +719,15 @@ def main() -> int:
     parser.add_argument(
         "--sasrec-candidates", nargs="+", type=int,
         help="indices of the SASRec settings to try in this process (default: the first N)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--sasrec-from-best", action="store_true",
+        help="a second coordinate round: the candidates change one setting of the best "
+        "tuning fit already in --out (with --resume) instead of the literature's start",
+    )  # fmt: skip
+    parser.add_argument(
+        "--sasrec-tune-only", action="store_true",
+        help="only SASRec's tuning fits (saved under sasrec_tuning); refit later with --resume",
     )  # fmt: skip
     parser.add_argument(
         "--stage", choices=("test", "validation"), default="test",

@@ -199,6 +199,26 @@ def test_sasrec_candidates_are_distinct_when_the_start_already_has_a_change() ->
     assert batched[0].length_batches and all(s.length_batches for s in batched)
 
 
+def test_a_second_sasrec_round_starts_from_the_best_tuning_fit() -> None:
+    """--sasrec-from-best: the candidates change one setting of the best fit, not the start."""
+    from dataclasses import asdict
+
+    from benchmarks import quality
+
+    good = sasrec.Settings(learning_rate=3e-3, length_batches=True, max_epochs=50)
+    worse = sasrec.Settings(learning_rate=1e-3, length_batches=True, max_epochs=50)
+    tuning = {
+        s.label(): {"settings": asdict(s), "validation_ndcg_at_10": v}
+        for s, v in ((good, 0.063), (worse, 0.033))
+    }
+    start = quality._best_sasrec(tuning, max_epochs=80)
+    assert start.label() == good.label() and start.max_epochs == 80
+    round_two = quality.sasrec_candidates(start)
+    assert round_two[0] == start and len(round_two) == 5  # lr 3e-3 and length batches: no-ops
+    assert all(s.learning_rate == 3e-3 for s in round_two)
+    assert {s.label() for s in round_two[1:]}.isdisjoint(tuning)
+
+
 def test_implicit_als_reference_ranks_each_users_own_block_first() -> None:
     # Two user groups with disjoint tastes (items 0-4, items 5-9): every user's ALS scores
     # must favour their group's unseen items over the other group's.
