@@ -261,9 +261,14 @@ def sasrec_candidates(start: sasrec.Settings) -> list[sasrec.Settings]:
     return list(dict.fromkeys([start, *changed]))
 
 
+def best_sasrec_label(tuning: dict[str, Any]) -> str:
+    """The label of the tuning fit with the best validation NDCG@10 (the chosen settings)."""
+    return max(tuning, key=lambda k: tuning[k]["validation_ndcg_at_10"])
+
+
 def _best_sasrec(tuning: dict[str, Any], max_epochs: int) -> sasrec.Settings:
-    """The settings of the tuning fit with the best validation NDCG@10 (a new round's start)."""
-    best = max(tuning.values(), key=lambda info: info["validation_ndcg_at_10"])
+    """The best tuning fit's settings (a new round's start)."""
+    best = tuning[best_sasrec_label(tuning)]
     return replace(sasrec.Settings(**best["settings"]), max_epochs=max_epochs, seed=0)
 
 
@@ -276,18 +281,20 @@ def tune_sasrec(b: Bench, results: dict[str, Any], args: Any) -> dict[str, Any]:
     """
 
     tuning = results.setdefault("sasrec_tuning", {})
-    validation = (b.sequences(b.val_rows, False), b.val_set)
-    train = b.sequences(list(range(len(b.split.users))), False)
-    test_queries = b.sequences(b.test_rows, True)
-    n = len(b.split.catalog)
     first = sasrec_start(b, args.sasrec_max_epochs, args.sasrec_length_batches)
     if args.sasrec_from_best and tuning:
         first = _best_sasrec(tuning, args.sasrec_max_epochs)
     candidates = sasrec_candidates(first)
     chosen = args.sasrec_candidates or range(args.sasrec_trials)
-    for s in [candidates[i] for i in chosen if i < len(candidates)]:
-        if s.label() in tuning:
-            continue
+    todo = [candidates[i] for i in chosen if i < len(candidates)]
+    todo = [s for s in todo if s.label() not in tuning]
+    if not todo:  # e.g. a refit process whose candidates are all in --out already
+        return tuning
+    validation = (b.sequences(b.val_rows, False), b.val_set)
+    train = b.sequences(list(range(len(b.split.users))), False)
+    test_queries = b.sequences(b.test_rows, True)
+    n = len(b.split.catalog)
+    for s in todo:
         trainer, info = sasrec.fit(n, train, validation, s)
         info["test_without_refit"] = _metrics(trainer.scores(test_queries), b.test_set)
         tuning[s.label()] = info
@@ -307,7 +314,7 @@ def run_sasrec(b: Bench, seed: int, results: dict[str, Any], args: Any) -> dict[
     tuning = tune_sasrec(b, results, args)
     test_queries = b.sequences(b.test_rows, True)
     n = len(b.split.catalog)
-    label = max(tuning, key=lambda k: tuning[k]["validation_ndcg_at_10"])
+    label = best_sasrec_label(tuning)
     chosen = tuning[label]
     settings = replace(sasrec.Settings(**chosen["settings"]), seed=seed)
     start = time.perf_counter()
@@ -650,7 +657,7 @@ def merge(paths: list[Path]) -> dict[str, Any]:
     merged["errors"] = {k: v for k, v in merged["errors"].items() if k not in merged["runs"]}
     if tuning:
         merged["sasrec_tuning"] = tuning
-        best = max(tuning, key=lambda k: tuning[k]["validation_ndcg_at_10"])
+        best = best_sasrec_label(tuning)
         runs = merged["runs"]
         for key in [k for k in runs if k.startswith("sasrec/") and runs[k]["label"] != best]:
             del runs[key]
