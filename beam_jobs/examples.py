@@ -25,7 +25,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from recsys.core.schema import FEATURES, Feature
+from recsys.core.schema import FEATURES, SEQUENCE_FEATURES, Feature
 
 try:  # the C implementation Beam's TFRecord sink uses (apache-beam[tfrecord])
     from google_crc32c import value as _crc32c
@@ -37,6 +37,7 @@ _EMPTY = pa.scalar(b"", BINARY)
 _CRC_MASK_DELTA = 0xA282EAD8
 # Features in the order deterministic serialisation writes map entries: by key.
 ORDERED: tuple[Feature, ...] = tuple(sorted(FEATURES, key=lambda f: f.name))
+SEQUENCE_ORDERED: tuple[Feature, ...] = tuple(sorted(SEQUENCE_FEATURES, key=lambda f: f.name))
 
 
 def varint(n: int) -> bytes:
@@ -190,15 +191,20 @@ def byte_ranges(data: pa.Buffer, starts: np.ndarray, lengths: np.ndarray) -> pa.
     return array.cast(BINARY)
 
 
-def encode_batch(columns: Mapping[str, pa.Array | np.ndarray]) -> pa.Array:
+def encode_batch(
+    columns: Mapping[str, pa.Array | np.ndarray], ordered: Sequence[Feature] = ORDERED
+) -> pa.Array:
     """Serialised tf.train.Example per row, byte-identical to recsys.core.schema.encode_example.
 
-    `columns` holds every schema feature: bytes features as string/binary arrays, int64 and
-    float features as numpy arrays, bytes_list features as binary arrays of pre-framed values
-    (`history_pieces` joined per row, e.g. by `gather_lists`).
+    `columns` holds every feature of `ordered` (features sorted by name): bytes features as
+    string/binary arrays, int64 and float features as numpy arrays, bytes_list features as
+    binary arrays of pre-framed values (`history_pieces` joined per row, e.g. by
+    `gather_lists`), int64_list features as binary arrays of concatenated varints (`varints`
+    joined per row). An empty int64_list is written as an empty packed field, which parses
+    the same but is two bytes longer than protobuf's own encoding (sequences are never empty).
     """
     chunks = []
-    for f in ORDERED:
+    for f in ordered:
         values = columns[f.name]
         if f.kind == "bytes":
             values = as_binary(values)  # type: ignore[arg-type]
@@ -210,8 +216,8 @@ def encode_batch(columns: Mapping[str, pa.Array | np.ndarray]) -> pa.Array:
                 per_length(lengths_of(values), lambda n, name=f.name: _bytes_list_prefix(name, n)),
                 values,
             ]
-        elif f.kind == "int64":
-            packed = varints(np.asarray(values))
+        elif f.kind in ("int64", "int64_list"):
+            packed = varints(np.asarray(values)) if f.kind == "int64" else as_binary(values)  # type: ignore[arg-type]
             prefix = per_length(lengths_of(packed), lambda n, name=f.name: _int64_prefix(name, n))
             chunks += [prefix, packed]
         else:

@@ -24,7 +24,14 @@ import pyarrow.compute as pc
 from apache_beam.typehints import no_annotations
 
 from beam_jobs import columnar as col
-from beam_jobs.examples import encode_batch, frame_records, gather_lists, history_pieces
+from beam_jobs.examples import (
+    SEQUENCE_ORDERED,
+    encode_batch,
+    frame_records,
+    gather_lists,
+    history_pieces,
+    varints,
+)
 from beam_jobs.records import (
     DUPLICATE,
     RARE_ITEM,
@@ -35,7 +42,18 @@ from beam_jobs.records import (
     rejection,
 )
 from beam_jobs.sinks import TFRecordFile, shard_path
-from recsys.core.schema import HISTORY, ITEM_ID, SPLITS, TIMESTAMP, USER_ID, WEIGHT
+from recsys.core.layout import SEQUENCES
+from recsys.core.schema import (
+    HISTORY,
+    ITEM_ID,
+    ITEM_IDS,
+    SPLIT_CODES,
+    SPLITS,
+    TIMESTAMP,
+    TIMESTAMPS,
+    USER_ID,
+    WEIGHT,
+)
 
 REJECTED = "rejected"
 COUNTS = "counts"
@@ -43,6 +61,9 @@ USERS = "users"
 ITEMS = "items"
 ITEM_COUNTS = "item_counts"
 SPLIT_KEY = "split:"  # as in beam_jobs.stats
+SEQUENCES_KEY = "sequences"  # users written to the sequence records (beam_jobs.stats)
+SEQUENCE_POSITIONS_KEY = "sequence_positions"  # positions written (beam_jobs.stats)
+SEQUENCE_LENGTH_KEY = "sequence_length:"  # users per log2 length bucket (beam_jobs.stats)
 TRAIN, VALIDATION, TEST = SPLITS
 SECONDS_PER_DAY = 86_400
 LEAVE_LAST_OUT = "leave_last_out"
@@ -277,6 +298,46 @@ def write_split(result: ShardSplit, code: int, out: TFRecordFile) -> int:
     return len(chosen)
 
 
+def write_sequences(result: ShardSplit, out: TFRecordFile) -> np.ndarray:
+    """Encode one record per user of a shard's split (its ordered items, times and split codes)
+    into the sequences file; returns each written user's sequence length."""
+    rows = result.rows
+    users, items = rows.column(col.USER).combine_chunks(), rows.column(col.ITEM)
+    stamps = rows.column(col.TS).to_numpy()
+    starts, _ = _group_starts(users)
+    stops = np.append(starts[1:], rows.num_rows).astype(np.int64)
+    first = 0
+    while first < len(starts):
+        # Users in chunks of about ENCODE_ROWS positions (at least one user per chunk).
+        last = max(first + 1, int(np.searchsorted(stops, starts[first] + ENCODE_ROWS, "right")))
+        lo, hi = int(starts[first]), int(stops[last - 1])
+        begin, end = starts[first:last] - lo, stops[first:last] - lo
+        columns = {
+            USER_ID: users.take(pa.array(starts[first:last])),
+            ITEM_IDS: gather_lists(
+                history_pieces(items.slice(lo, hi - lo).combine_chunks()), begin, end
+            ),
+            TIMESTAMPS: gather_lists(varints(stamps[lo:hi]), begin, end),
+            SPLIT_CODES: gather_lists(varints(result.split[lo:hi]), begin, end),
+        }
+        out.write(frame_records(encode_batch(columns, SEQUENCE_ORDERED)))
+        first = last
+    return stops - starts
+
+
+def length_buckets(lengths: np.ndarray) -> dict[str, int]:
+    """Users per sequence-length bucket: "1", "2-3", "4-7", ... (powers of two)."""
+    if not len(lengths):
+        return {}
+    exponents = np.floor(np.log2(np.maximum(lengths, 1))).astype(np.int64)
+    counts = np.bincount(exponents)
+    return {
+        (f"{1 << e}" if e == 0 else f"{1 << e}-{(2 << e) - 1}"): int(n)
+        for e, n in enumerate(counts)
+        if n
+    }
+
+
 def train_counts(result: ShardSplit) -> tuple[pa.Table, pa.Table]:
     """(user, train rows) and (item, train rows) tables of a shard's split."""
     train = result.split == 0
@@ -355,17 +416,21 @@ class _SplitAndWriteShard(beam.DoFn):
     ) -> Iterator[Any]:
         shard, parts = element
         counts = col.from_ipc(item_counts) if item_counts is not None else None
-        paths = [shard_path(f"{self._out}/{name}", shard, self._shards) for name in SPLITS]
+        paths = [
+            shard_path(f"{self._out}/{name}", shard, self._shards) for name in (*SPLITS, SEQUENCES)
+        ]
         outs = [TFRecordFile(path) for path in paths]
         written = [0] * len(SPLITS)
+        lengths: list[np.ndarray] = []
         try:
             # Users never straddle passes: each pass is a range of user buckets.
             for table in col.in_passes(parts, PASS_ROWS):
                 result = split_shard(table, self._s, self._files, counts)
                 for rej in result.rejected:
                     yield beam.pvalue.TaggedOutput(REJECTED, rej)
-                for code, out in enumerate(outs):
+                for code, out in enumerate(outs[: len(SPLITS)]):
                     written[code] += write_split(result, code, out)
+                lengths.append(write_sequences(result, outs[-1]))
                 users, items = train_counts(result)
                 yield beam.pvalue.TaggedOutput(USERS, col.to_ipc(users))
                 yield beam.pvalue.TaggedOutput(ITEMS, col.to_ipc(items))
@@ -374,10 +439,16 @@ class _SplitAndWriteShard(beam.DoFn):
                 out.close()
         for name, rows in zip(SPLITS, written, strict=True):
             yield beam.pvalue.TaggedOutput(COUNTS, (SPLIT_KEY + name, rows))
+        every = np.concatenate(lengths) if lengths else np.zeros(0, np.int64)
+        yield beam.pvalue.TaggedOutput(COUNTS, (SEQUENCES_KEY, len(every)))
+        yield beam.pvalue.TaggedOutput(COUNTS, (SEQUENCE_POSITIONS_KEY, int(every.sum())))
+        for bucket, users in length_buckets(every).items():
+            yield beam.pvalue.TaggedOutput(COUNTS, (SEQUENCE_LENGTH_KEY + bucket, users))
 
 
 class SplitAndWrite(beam.PTransform):
-    """(shard, (rows, IPC bytes or spill file)) -> `<split>-SSSSS-of-NNNNN.tfrecord.gz` files.
+    """(shard, (rows, IPC bytes or spill file)) -> `<split>-SSSSS-of-NNNNN.tfrecord.gz` files
+    and `sequences-SSSSS-of-NNNNN.tfrecord.gz` (one record per user, recsys.core.schema).
 
     One shuffle, keyed by shard (crc32 of the user id): each shard's users are split, get
     their history and are written by one worker, in sorted order, so the files are

@@ -31,6 +31,9 @@ INPUT_LINES = "input_lines"
 LINES_KEY = "lines:"
 LINE_KINDS = ("header", "blank", "continuation")
 SPLIT_KEY = "split:"
+SEQUENCES_KEY = "sequences"  # as in beam_jobs.split
+SEQUENCE_POSITIONS_KEY = "sequence_positions"
+SEQUENCE_LENGTH_KEY = "sequence_length:"
 REJECTED_KEY = "rejected:"
 
 
@@ -147,6 +150,11 @@ def assemble_stats(
             "accepted": sum(splits.values()),
         },
         "splits": splits,
+        "sequences": {
+            "users": counts.get(SEQUENCES_KEY, 0),
+            "positions": counts.get(SEQUENCE_POSITIONS_KEY, 0),
+            "users_by_length": _length_buckets(counts),
+        },
         "users": users,
         "items": items,
         "eval_users": splits["test"],
@@ -156,6 +164,16 @@ def assemble_stats(
     }
     stats["fingerprint"] = fingerprint(stats)
     return stats
+
+
+def _length_buckets(counts: dict[str, int]) -> dict[str, int]:
+    """Users per sequence-length bucket ("1", "2-3", "4-7", ...), shortest first."""
+    buckets = {
+        key.removeprefix(SEQUENCE_LENGTH_KEY): n
+        for key, n in counts.items()
+        if key.startswith(SEQUENCE_LENGTH_KEY)
+    }
+    return dict(sorted(buckets.items(), key=lambda kv: int(kv[0].split("-")[0])))
 
 
 def fingerprint(stats: dict[str, Any]) -> str:
@@ -169,10 +187,22 @@ def fingerprint(stats: dict[str, Any]) -> str:
 def check_reconciled(stats: dict[str, Any]) -> None:
     """Raise ReconciliationError unless every data line and every row read is accounted for.
 
-    input_lines (physical lines, counted as read) == accepted + rejected + duplicates, and
-    input_rows (rows leaving the readers) == train + validation + test + rejected + duplicates.
+    input_lines (physical lines, counted as read) == accepted + rejected + duplicates,
+    input_rows (rows leaving the readers) == train + validation + test + rejected + duplicates,
+    and the sequence records hold every accepted row once (positions counted as written).
     """
     used = sum(stats["splits"].values()) + stats["rejected"] + stats["duplicates"]
+    sequences = stats["sequences"]
+    if sequences["positions"] != stats["accepted"] or sequences["users"] != sum(
+        sequences["users_by_length"].values()
+    ):
+        raise ReconciliationError(
+            f"stats do not reconcile: the sequence records hold {sequences['positions']} "
+            f"positions of {sequences['users']} users (by length: "
+            f"{sequences['users_by_length']}) but {stats['accepted']} rows were accepted; "
+            "nothing was published. This is a bug in beam_jobs: please report it with the "
+            "input that triggers it"
+        )
     for key in (INPUT_LINES, INPUT_ROWS):
         if stats[key] != used:
             raise ReconciliationError(

@@ -7,7 +7,8 @@ The one model-input transform both the training input and the serving signatures
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -15,14 +16,22 @@ import tensorflow as tf
 
 from recsys.core import schema
 from recsys.core.errors import DataError, StageNotReadyError
+from recsys.core.layout import SEQUENCES
 from recsys.model import PAD
 
 
 def split_files(data_dir: Path, split: str) -> list[str]:
-    """The sorted shard files of one split; an error naming the folder if there are none."""
+    """The sorted shard files of one split (or of the sequence records, `SEQUENCES`); an error
+    naming the folder if there are none."""
     paths = sorted(data_dir.glob(f"{split}-*.tfrecord.gz"))
     if not paths:
-        raise StageNotReadyError(f"no {split}-*.tfrecord.gz in {data_dir}: run `recsys preprocess`")
+        hint = (
+            "this data folder predates the per-user sequence records: redo it with "
+            "`recsys nightly --rerun-from preprocess` (or `recsys preprocess`)"
+            if split == SEQUENCES and any(data_dir.glob("train-*.tfrecord.gz"))
+            else "run `recsys preprocess`"
+        )
+        raise StageNotReadyError(f"no {split}-*.tfrecord.gz in {data_dir}: {hint}")
     # The writer's gzip files are never empty (a header even without records): 0 bytes is a
     # truncated or lost file, bad input rather than a stage not yet run.
     empty = next((p for p in paths if p.stat().st_size == 0), None)
@@ -161,3 +170,84 @@ def latest_items(
 def decoded(values: list[bytes | str]) -> np.ndarray:
     """Id strings (bytes as TFRecords hold them, or str) as a numpy str array."""
     return np.array([v.decode("utf-8") if isinstance(v, bytes) else v for v in values], dtype=str)
+
+
+ItemLookup = Callable[[tf.Tensor], tf.Tensor]
+"""String ids -> int64 indices, applied inside tf.data (e.g. a model's `item_lookup()`)."""
+
+
+@dataclass
+class Sequences:
+    """Every user's ordered interactions, as flat arrays with per-user offsets (CSR).
+
+    User r's positions are `offsets[r]:offsets[r + 1]`, in protocol order (timestamp, then
+    item id); `splits` holds each position's index into `schema.SPLITS`.
+    """
+
+    users: list[str]
+    offsets: np.ndarray  # [users + 1] int64
+    items: np.ndarray  # [positions]: int64 indices of the lookup, or id strings (object)
+    splits: np.ndarray  # [positions] int8
+    timestamps: np.ndarray | None = None  # [positions] int64 seconds, when asked for
+
+    @property
+    def lengths(self) -> np.ndarray:
+        """Positions per user."""
+        return np.diff(self.offsets)
+
+    def user_of_position(self) -> np.ndarray:
+        """[positions] int64: the row (in `users`) of each position."""
+        return np.repeat(np.arange(len(self.users), dtype=np.int64), self.lengths)
+
+
+def load_sequences(
+    data_dir: Path,
+    lookup: ItemLookup | None = None,
+    timestamps: bool = False,
+    batch_size: int = 4096,
+) -> Sequences:
+    """The per-user sequence records of a data folder, read once into flat arrays.
+
+    With `lookup`, item ids become its int64 indices inside tf.data (no Python per item);
+    without, they stay strings (a 1-D object array). Memory: about 9 bytes per position
+    (17 with timestamps), plus one Python string per user.
+    """
+    names = [schema.USER_ID, schema.ITEM_IDS, schema.SPLIT_CODES]
+    if timestamps:
+        names.append(schema.TIMESTAMPS)
+    spec = schema.feature_spec(schema.SEQUENCE_FEATURES)
+    spec = {name: spec[name] for name in names}
+
+    def parse(records: tf.Tensor) -> dict[str, tf.Tensor]:
+        parsed = tf.io.parse_example(records, spec)
+        if lookup is not None:
+            parsed[schema.ITEM_IDS] = tf.ragged.map_flat_values(lookup, parsed[schema.ITEM_IDS])
+        return parsed
+
+    files = split_files(data_dir, SEQUENCES)
+    ds = tf.data.TFRecordDataset(files, compression_type="GZIP", num_parallel_reads=len(files))
+    ds = ds.batch(batch_size).map(parse, num_parallel_calls=tf.data.AUTOTUNE)
+    users: list[str] = []
+    lengths, parts = [], {name: [] for name in names[1:]}
+    for batch in ds.prefetch(2):
+        users.extend(u.decode("utf-8") for u in batch[schema.USER_ID].numpy().tolist())
+        lengths.append(batch[schema.ITEM_IDS].row_lengths().numpy())
+        for name in parts:
+            parts[name].append(batch[name].flat_values.numpy())
+    offsets = np.zeros(len(users) + 1, np.int64)
+    if lengths:
+        np.cumsum(np.concatenate(lengths), out=offsets[1:])
+    flat = {
+        name: np.concatenate(chunks) if chunks else np.zeros(0, np.int64)
+        for name, chunks in parts.items()
+    }
+    items = flat[schema.ITEM_IDS]
+    if lookup is None:
+        items = decoded(items.tolist()).astype(object)
+    return Sequences(
+        users,
+        offsets,
+        items,
+        flat[schema.SPLIT_CODES].astype(np.int8),
+        flat.get(schema.TIMESTAMPS),
+    )

@@ -415,7 +415,7 @@ def test_beam_shuffle_gives_the_same_bytes_as_the_files_shuffle(tmp_path: Path) 
             for p in sorted(out.rglob("*"))
             if p.is_file() and p.name not in ("stats.json", SUCCESS)
         }
-    assert sum(name.endswith(".tfrecord.gz") for name in outputs["files"]) == 9
+    assert sum(name.endswith(".tfrecord.gz") for name in outputs["files"]) == 12
     assert outputs["files"] == outputs["beam"]
 
 

@@ -13,7 +13,7 @@ import tensorflow as tf
 
 from beam_jobs.pipeline import PIPELINE_SECONDS, run_preprocess
 from recsys.core.config import RecsysConfig, parse_config
-from recsys.core.layout import SUCCESS
+from recsys.core.layout import SEQUENCES, SUCCESS
 from recsys.core.schema import SPLITS, feature_spec
 from recsys.synthetic import write_csv
 
@@ -100,7 +100,11 @@ def output_bytes(out: Path) -> dict[str, bytes]:
 def test_output_layout_and_shards(run: tuple) -> None:
     out, _ = run
     names = {p.name for p in out.iterdir()}
-    shards = {f"{s}-{i:05d}-of-{SHARDS:05d}.tfrecord.gz" for s in SPLITS for i in range(SHARDS)}
+    shards = {
+        f"{s}-{i:05d}-of-{SHARDS:05d}.tfrecord.gz"
+        for s in (*SPLITS, SEQUENCES)
+        for i in range(SHARDS)
+    }
     assert names == shards | {"vocab", "rejected", "item_features.parquet", "stats.json", SUCCESS}
     assert sorted(p.name for p in (out / "vocab").iterdir()) == ["items.txt", "users.txt"]
     rejected = [f"rejected-{i:05d}-of-{SHARDS:05d}.jsonl" for i in range(SHARDS)]
@@ -198,7 +202,7 @@ def test_multi_processing_runner_gives_the_same_data(
     stats = run_preprocess(config, raw_csv, tmp_path / "mp", last_day(config), beam_args=args)
     assert stats["fingerprint"] == run[1]["fingerprint"]
     tfrecords = output_bytes(run[0])
-    assert sum(name.endswith(".tfrecord.gz") for name in tfrecords) == 3 * SHARDS
+    assert sum(name.endswith(".tfrecord.gz") for name in tfrecords) == 4 * SHARDS
     assert output_bytes(tmp_path / "mp") == tfrecords
 
 

@@ -283,7 +283,9 @@ def test_read_parquet_bad_files_are_rejections(tmp_path: Path) -> None:
 def _stats(**counts: int) -> dict:
     tallies = {"input_rows": 10, "input_lines": 10}
     tallies |= {"split:train": 6, "split:validation": 1, "split:test": 1}
-    tallies |= {"rejected:bad_timestamp": 1, "rejected:duplicate": 1} | counts
+    tallies |= {"rejected:bad_timestamp": 1, "rejected:duplicate": 1}
+    tallies |= {"sequences": 3, "sequence_positions": 8, "sequence_length:2-3": 2}
+    tallies |= {"sequence_length:4-7": 1} | counts
     files = [InputFile("/data/b.csv", 7), InputFile("/data/a.csv", 5)]
     return assemble_stats(tallies, (1, 9), 3, 4, dt.date(2026, 1, 5), files)
 
@@ -299,6 +301,15 @@ def test_stats_reconcile_and_fingerprint_is_stable() -> None:
         check_reconciled(_stats(input_rows=11))
     with pytest.raises(ReconciliationError, match="input_lines=12"):
         check_reconciled(_stats(input_lines=12))
+    assert stats["sequences"] == {
+        "users": 3,
+        "positions": 8,
+        "users_by_length": {"2-3": 2, "4-7": 1},
+    }
+    with pytest.raises(ReconciliationError, match="sequence records hold 7 positions"):
+        check_reconciled(_stats(sequence_positions=7))
+    with pytest.raises(ReconciliationError, match="of 4 users"):
+        check_reconciled(_stats(sequences=4))
 
 
 def test_quality_failure_messages(tmp_path: Path) -> None:

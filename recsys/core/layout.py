@@ -3,6 +3,7 @@
 ```
 <workdir>/raw/                             generated input (embedded synthetic data)
 <workdir>/data/<date>/                     Beam output: {train,validation,test}-*.tfrecord.gz,
+                                           sequences-*.tfrecord.gz (one record per user),
                                            vocab/{users,items}.txt, item_features.parquet,
                                            stats.json, rejected/*.jsonl, _SUCCESS (last)
 <workdir>/runs/<date>/<run_id>/            model/ (weights + model.json), metrics.json,
@@ -44,6 +45,11 @@ _RUN_ID = re.compile(r"^[0-9]{8}T[0-9]{6}Z-[0-9a-f]{8}-[0-9a-f]{4}$")
 _ISO_DATE = re.compile(r"\d{4}-\d{2}-\d{2}")  # fromisoformat alone also takes 20261129
 FIRST_DATE = dt.date(1970, 1, 1)
 LAST_DATE = dt.date(2199, 12, 31)
+
+
+SEQUENCES = "sequences"
+"""Shard prefix of the per-user sequence records in `data/<date>/`
+(`sequences-SSSSS-of-NNNNN.tfrecord.gz`, recsys.core.schema.SEQUENCE_FEATURES)."""
 
 
 class DataFile(StrEnum):

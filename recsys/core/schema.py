@@ -20,11 +20,14 @@ WEIGHT = "weight"
 HISTORY = "history"
 GENRES = "genres"
 TITLE = "title"
+ITEM_IDS = "item_ids"
+TIMESTAMPS = "timestamps"
+SPLIT_CODES = "splits"
 
 SPLITS = ("train", "validation", "test")
 """Leave-last-out: a user's last interaction is `test`, the one before it `validation`."""
 
-Kind = Literal["bytes", "int64", "float", "bytes_list"]
+Kind = Literal["bytes", "int64", "float", "bytes_list", "int64_list"]
 
 
 @dataclass(frozen=True)
@@ -53,6 +56,29 @@ FEATURES: tuple[Feature, ...] = (
     ),
 )
 FEATURE_NAMES = tuple(f.name for f in FEATURES)
+
+SEQUENCE_FEATURES: tuple[Feature, ...] = (
+    Feature(USER_ID, "bytes", b"", "query", "user id as in the raw log"),
+    Feature(
+        ITEM_IDS,
+        "bytes_list",
+        (),
+        "none",
+        "every kept interaction's item id in protocol order (timestamp, then item id)",
+    ),
+    Feature(TIMESTAMPS, "int64_list", (), "none", "each position's event time, Unix seconds"),
+    Feature(
+        SPLIT_CODES,
+        "int64_list",
+        (),
+        "none",
+        "each position's split, as an index into SPLITS (0 train, 1 validation, 2 test)",
+    ),
+)
+"""One record per user (`sequences-*.tfrecord.gz`): the whole ordered sequence, each position
+marked with its split, so one causal pass trains every position and evaluation and export
+read a user's history without re-reading every interaction."""
+SEQUENCE_FEATURE_NAMES = tuple(f.name for f in SEQUENCE_FEATURES)
 
 ITEM_FEATURES: tuple[Feature, ...] = (
     Feature(
@@ -85,22 +111,27 @@ def feature_spec(
     for f in features:
         if f.kind == "bytes_list":
             spec[f.name] = tf.io.RaggedFeature(tf.string)
+        elif f.kind == "int64_list":
+            spec[f.name] = tf.io.RaggedFeature(tf.int64)
         else:
             spec[f.name] = tf.io.FixedLenFeature([], dtypes[f.kind], f.default)
     return spec
 
 
-def encode_example(record: dict[str, Any]) -> bytes:
-    """Serialise one interaction (a dict with every schema field) as a tf.train.Example."""
+def encode_example(record: dict[str, Any], features: tuple[Feature, ...] = FEATURES) -> bytes:
+    """Serialise one record (a dict with every field of `features`) as a tf.train.Example."""
     from tensorflow.core.example import example_pb2
 
     example = example_pb2.Example()
     fmap = example.features.feature
-    for f in FEATURES:
+    for f in features:
         if f.kind == "bytes_list":
             fmap[f.name].bytes_list.value.extend(
                 v.encode("utf-8") if isinstance(v, str) else v for v in record.get(f.name, ())
             )
+            continue
+        if f.kind == "int64_list":
+            fmap[f.name].int64_list.value.extend(int(v) for v in record.get(f.name, ()))
             continue
         value = record[f.name]
         if f.kind == "bytes":
@@ -116,16 +147,18 @@ def encode_example(record: dict[str, Any]) -> bytes:
     return example.SerializeToString(deterministic=True)
 
 
-def decode_example(data: bytes) -> dict[str, Any]:
+def decode_example(data: bytes, features: tuple[Feature, ...] = FEATURES) -> dict[str, Any]:
     """Parse one serialised example back into Python values (tests and tools)."""
     from tensorflow.core.example import example_pb2
 
     example = example_pb2.Example.FromString(data)
     out: dict[str, Any] = {}
-    for f in FEATURES:
+    for f in features:
         feat = example.features.feature[f.name]
         if f.kind == "bytes_list":
             out[f.name] = [v.decode("utf-8") for v in feat.bytes_list.value]
+        elif f.kind == "int64_list":
+            out[f.name] = [int(v) for v in feat.int64_list.value]
         elif f.kind == "bytes":
             out[f.name] = feat.bytes_list.value[0].decode("utf-8")
         elif f.kind == "int64":
