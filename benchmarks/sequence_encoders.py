@@ -70,7 +70,7 @@ def validation_metrics(config: RecsysConfig, data_dir: Path, result: Any) -> dic
     """The kept weights' validation metrics (exact ranking, training items removed)."""
     callback = trainer.validation_callback(config, data_dir, result.model)
     model = result.model
-    users = model.user_embeddings(callback.eval_set.users, callback.histories)
+    users = callback.queries(model)
     scores = ev.dot_product_scores(users, model.item_embeddings())
     metrics = ev.evaluate(scores, callback.eval_set, EVAL).metrics
     return {k: round(metrics[k], 4) for k in REPORTED}

@@ -48,7 +48,7 @@ from recsys.core.redact import redact_tree
 from recsys.model import TrainedModel
 from recsys.model_evaluation import evaluate_model
 from recsys.synthetic import items_path, write_csv, write_items_csv
-from recsys.training.trainer import is_chief, write_dir
+from recsys.training.trainer import IncrementalStart, is_chief, write_dir
 from recsys.training.trainer import train as fit
 from serving_export.activity import read_activity
 from serving_export.integrity import (
@@ -137,8 +137,9 @@ def train(
     log.info("train: %s -> %s%s", data_dir, run_dir, "" if chief else " (non-chief worker)")
     # Keyed by date and config, not run id: rerunning a killed `train` resumes from here.
     backup = workdir.runs(date) / f".backup-{config.digest()}"
+    start = incremental_start(config, workdir)
     try:
-        result = fit(config, data_dir, backup_dir=backup, callbacks=list(callbacks))
+        result = fit(config, data_dir, backup_dir=backup, callbacks=list(callbacks), start=start)
     except BaseException as exc:
         if created:
             # Nothing was written into it yet (the checkpoints live in `backup`): a failed
@@ -174,6 +175,8 @@ def train(
             "refit_seconds": result.refit_seconds,
             "refit_splits": list(result.refit_splits),
             "dense_log_settings": result.dense_log_settings,
+            "input": result.input,
+            "incremental_from": None if start is None else str(start.model_dir),
             # What metrics.json scores: the served model, or the first fit (refit all).
             "evaluated_model": str(
                 RunFile.EVAL_MODEL if result.evaluation_model is not None else RunFile.MODEL
@@ -188,6 +191,21 @@ def train(
     (run_dir / RunFile.CONFIG).write_text(yaml.safe_dump(clean))
     mark_complete(run_dir)
     return run_dir, result
+
+
+def incremental_start(config: RecsysConfig, workdir: Workdir) -> IncrementalStart | None:
+    """`training.mode: incremental`: the champion's served model and the newest second of the
+    data it was trained on (None: full training, logged by the trainer)."""
+    if config.training.mode != "incremental" or not workdir.champion_file.is_file():
+        return None
+    record = json.loads(workdir.champion_file.read_text())
+    model_dir = Path(record.get("run_dir") or "") / RunFile.MODEL
+    stats = Path(record.get("data_dir") or "") / DataFile.STATS
+    if not record.get("run_dir") or not model_dir.is_dir() or not stats.is_file():
+        log.warning("incremental training: the champion's run or data folder is gone")
+        return None
+    since = json.loads(stats.read_text()).get("max_timestamp")
+    return None if since is None else IncrementalStart(model_dir, int(since))
 
 
 def _save_discarded(model: Any, run_dir: Path) -> None:

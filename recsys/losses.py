@@ -45,17 +45,41 @@ def in_batch_softmax_loss(
     columns j != i whose id equals candidate i's are masked out (accidental hits). Gradients
     flow to `query` and `candidates` only.
     """
+    return softmax_loss(query, candidates, None, temperature, log_q, candidate_ids, block_rows)
+
+
+def softmax_loss(
+    query: tf.Tensor,
+    candidates: tf.Tensor,
+    labels: tf.Tensor | None = None,
+    temperature: float = 1.0,
+    log_q: tf.Tensor | None = None,
+    candidate_ids: tf.Tensor | None = None,
+    block_rows: int = BLOCK_ROWS,
+) -> tf.Tensor:
+    """Summed softmax cross-entropy of column `labels[i]` for each query i, in row blocks.
+
+    `labels` [n] int (None: the diagonal, labels[i] = i). With the whole catalog as
+    `candidates` and item indices as labels this is the exact (full) softmax, computed
+    without ever holding the [n x catalog] logits of more than one block of rows.
+    Accidental hits (`candidate_ids`): columns j != labels[i] holding the id of column
+    labels[i] are masked out.
+    """
     query = tf.convert_to_tensor(query, tf.float32)
     candidates = tf.convert_to_tensor(candidates, tf.float32)
     inv_t = 1.0 / float(temperature)
     bias = None if log_q is None else -tf.cast(tf.convert_to_tensor(log_q), tf.float32)
     ids = None if candidate_ids is None else tf.convert_to_tensor(candidate_ids)
-    return _blocked(query, candidates, bias, ids, inv_t, block_rows)
+    if labels is None:
+        labels = tf.range(tf.shape(query)[0], dtype=tf.int64)
+    labels = tf.cast(labels, tf.int64)
+    return _blocked(query, candidates, labels, bias, ids, inv_t, block_rows)
 
 
 def _blocked(
     query: tf.Tensor,
     candidates: tf.Tensor,
+    labels: tf.Tensor,
     bias: tf.Tensor | None,
     ids: tf.Tensor | None,
     inv_t: float,
@@ -65,25 +89,25 @@ def _blocked(
     def loss_fn(q: tf.Tensor, c: tf.Tensor) -> tuple[tf.Tensor, object]:
         n = tf.shape(q)[0]
         m = tf.shape(c)[0]
-        columns = tf.range(m)
+        columns = tf.range(m, dtype=tf.int64)
 
         def block(lo: tf.Tensor) -> tuple[tf.Tensor, tf.Tensor, tf.Tensor]:
             """Loss of rows [lo, lo + block_rows), their dq and their share of dc."""
             qb = q[lo : lo + block_rows]
-            rows = tf.range(lo, lo + tf.shape(qb)[0])
+            positives = labels[lo : lo + block_rows]
             logits = tf.matmul(qb, c, transpose_b=True) * inv_t
             if bias is not None:
                 logits += bias[None, :]
             if ids is not None:
-                hit = tf.equal(tf.gather(ids, rows)[:, None], ids[None, :])
-                hit = tf.logical_and(hit, tf.not_equal(rows[:, None], columns[None, :]))
+                hit = tf.equal(tf.gather(ids, positives)[:, None], ids[None, :])
+                hit = tf.logical_and(hit, tf.not_equal(positives[:, None], columns[None, :]))
                 logits += tf.cast(hit, tf.float32) * MIN_FLOAT
             top = tf.stop_gradient(tf.reduce_max(logits, axis=1, keepdims=True))
             exp = tf.exp(logits - top)
             total = tf.reduce_sum(exp, axis=1, keepdims=True)
-            positive = tf.gather(logits, rows, axis=1, batch_dims=1)
+            positive = tf.gather(logits, positives, axis=1, batch_dims=1)
             loss = tf.reduce_sum(tf.math.log(total[:, 0]) + top[:, 0] - positive)
-            # dL/dlogits = softmax - one-hot(diagonal); the one-hot part is subtracted below.
+            # dL/dlogits = softmax - one-hot(label); the one-hot part is subtracted below.
             probs = exp / total
             return loss, tf.matmul(probs, c), tf.matmul(probs, qb, transpose_a=True)
 
@@ -103,9 +127,10 @@ def _blocked(
             (tf.constant(0), tf.constant(0.0), dq_parts, tf.zeros_like(c)),
             parallel_iterations=1,
         )
-        # Minus the positives' one-hot: row i of dq loses c_i, rows i < n of dc lose q_i.
-        dq = (dq_parts.concat() - c[:n]) * inv_t
-        dc = (dc - tf.pad(q, [[0, m - n], [0, 0]])) * inv_t
+        # Minus the positives' one-hot: row i of dq loses c[labels[i]], and row labels[i] of
+        # dc loses q_i (summed when several queries share a label).
+        dq = (dq_parts.concat() - tf.gather(c, labels)) * inv_t
+        dc = (dc - tf.math.unsorted_segment_sum(q, labels, m)) * inv_t
 
         def grad(upstream: tf.Tensor) -> tuple[tf.Tensor, tf.Tensor]:
             return upstream * dq, upstream * dc

@@ -124,7 +124,7 @@ def test_gru_encodes_a_history_as_the_prefix_state_of_any_longer_sequence() -> N
     x = encoder.item_embedding(full)
     steps(x)
     steps.set_weights(encoder.gru.get_weights())
-    states = encoder.norm(steps(x)[0]).numpy()  # [L, d]: the norm was built on [n, d]
+    states = encoder.norm(steps(x)).numpy()[0]  # [L, d]
     for k in range(1, LENGTH + 1):
         prefix = tf.concat([full[:, :k], tf.fill([1, LENGTH - k], tf.constant(-1, tf.int64))], 1)
         np.testing.assert_allclose(encoder(prefix).numpy()[0], states[k - 1], atol=1e-5)

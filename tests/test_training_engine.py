@@ -127,6 +127,10 @@ def test_cache_and_jit_settings(prepared: tuple[RecsysConfig, Workdir, Path]) ->
     assert trainer.use_jit("auto", 1, gpus=1) and not trainer.use_jit("auto", 2, gpus=2)
     assert not trainer.use_jit("auto", 1, gpus=0)
     assert trainer.use_jit("on", 2) and not trainer.use_jit("off", 1, gpus=1)
+    # One-pass windows select their trained positions at run time: XLA cannot compile that.
+    assert not trainer.use_jit("auto", 1, gpus=1, source="sequences")
+    with pytest.raises(ConfigError, match=r"training\.input rows"):
+        trainer.use_jit("on", 1, source="sequences")
 
 
 def test_xla_trains_the_same_model(prepared: tuple[RecsysConfig, Workdir, Path]) -> None:
@@ -134,7 +138,9 @@ def test_xla_trains_the_same_model(prepared: tuple[RecsysConfig, Workdir, Path])
     config, _, data_dir = prepared
 
     def fit(jit: str) -> trainer.TrainResult:
-        cfg = with_updates(config, training={"epochs": 2, "jit_compile": jit, "cache": "memory"})
+        cfg = with_updates(
+            config, training={"epochs": 2, "jit_compile": jit, "cache": "memory", "input": "rows"}
+        )
         return trainer.train(cfg, data_dir)
 
     fast, plain = fit("on"), fit("off")
@@ -150,7 +156,13 @@ def test_xla_with_determinism_repeats_the_same_run(
     config, _, data_dir = prepared
     cfg = with_updates(
         config,
-        training={"epochs": 2, "jit_compile": "on", "deterministic": True, "cache": cache},
+        training={
+            "epochs": 2,
+            "jit_compile": "on",
+            "deterministic": True,
+            "cache": cache,
+            "input": "rows",
+        },
     )
     first = trainer.train(cfg, data_dir)
     tf.keras.backend.clear_session()

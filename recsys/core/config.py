@@ -309,9 +309,11 @@ class ModelConfig(_Strict):
     encoder_dropout: float = Field(0.2, ge=0, lt=1)
     # Softmax negatives: the global batch's other items (in_batch), those plus a shared pool of
     # `sampled_negatives` items drawn per batch (mixed), or the whole catalog (full). Sampled
-    # columns are logQ-corrected by the mixture of both samplers. `auto`: full up to
+    # columns are logQ-corrected by the mixture of both samplers. sampled: each position
+    # against its own item and the shared pool only (sampled softmax; cost independent of the
+    # catalog and the batch; recsys/model/negatives.py). `auto`: full up to
     # recsys.model.defaults.FULL_SOFTMAX_MAX_ITEMS catalog items, else mixed (logged).
-    negatives: Literal["auto", "in_batch", "mixed", "full"] = "in_batch"
+    negatives: Literal["auto", "in_batch", "mixed", "full", "sampled"] = "in_batch"
     sampled_negatives: int = Field(4096, ge=1, le=MAX_BATCH)
     negative_sampler: Literal["uniform", "popularity"] = "uniform"
 
@@ -327,6 +329,51 @@ REFIT_SPLITS: dict[str, tuple[str, ...]] = {
 class TrainingConfig(_Strict):
     """Optimisation settings."""
 
+    input: Literal["sequences", "rows"] = Field(
+        "sequences",
+        description=(
+            "What one training step reads. sequences: windows of each user's sequence "
+            "records, every position trained in one causal pass of the query tower "
+            "(recsys/training/windows.py). rows: one example per interaction row with its "
+            "stored history (needs preprocess.history_length >= model.history_length), "
+            "each history encoded on its own: the per-prefix path, kept as a reference."
+        ),
+    )
+    window_stride: int = Field(
+        0,
+        ge=0,
+        le=MAX_K,
+        description=(
+            "sequences: targets between consecutive windows of model.history_length "
+            "positions (0: the window length, non-overlapping windows). Smaller strides "
+            "give each trained position more history for more encoder work."
+        ),
+    )
+    windows: Literal["all", "last"] = Field(
+        "all",
+        description=(
+            "sequences: train every position (all), or only each user's newest window "
+            "(last: the SASRec recipe; older positions are never trained)."
+        ),
+    )
+    mode: Literal["full", "incremental"] = Field(
+        "full",
+        description=(
+            "full: train on every position of the data. incremental (training.input "
+            "sequences): start from the champion's weights and train only the positions "
+            "newer than the champion's data, plus a replay sample of older ones "
+            "(replay_fraction); the first night, with no champion, trains in full."
+        ),
+    )
+    replay_fraction: float = Field(
+        0.1,
+        ge=0,
+        le=1,
+        description=(
+            "incremental: the share of older positions trained again beside the new ones "
+            "(a fresh uniform sample each night), against forgetting."
+        ),
+    )
     batch_size: int = Field(1024, ge=1, le=MAX_BATCH)
     epochs: int = Field(10, ge=1, le=MAX_COUNT)
     # A step budget: at most this many batches per epoch (and per validation pass); 0: the

@@ -20,6 +20,14 @@ position's output, and an empty history encodes to the zero vector like the mean
 
 Order matters through the recurrence (no positions), s_n sees h_1 .. h_n only, and padding
 never updates the state, so the same items give the same vector whatever the fill.
+
+One causal pass (training): every encoder also has `sequence(ids)`, which takes a window of
+right-aligned ids (PAD first) and returns the output at every position t, computed from the
+items at positions <= t only: the transformer's causal mask, the GRU's state after step t, and
+for mean pooling the prefix mean `sum_{s<=t} V[h_s] / |{s<=t: h_s is an item}|` (prefix
+sums). Position t's output is what `call` returns for the history h_1 .. h_t, up to the
+transformer's position embeddings (a prefix sits at the window's positions, not at its end),
+so a whole sequence trains every position at the cost of one.
 """
 
 from __future__ import annotations
@@ -60,6 +68,16 @@ def right_align(ids: tf.Tensor) -> tf.Tensor:
     source = tf.range(length)[None, :] - (length - valid)
     gathered = tf.gather(ids, tf.maximum(source, 0), axis=1, batch_dims=1)
     return tf.where(source >= 0, gathered, tf.constant(-1, ids.dtype))
+
+
+def prefix_mean(embedding: tf.keras.layers.Layer, ids: tf.Tensor) -> tf.Tensor:
+    """[n, L, d]: at each position, the mean of the item vectors at positions <= t (0: none)."""
+    valid = ids >= 0
+    vectors = embedding(tf.where(valid, ids, tf.zeros_like(ids)))
+    mask = tf.cast(valid, vectors.dtype)[..., None]
+    sums = tf.cumsum(vectors * mask, axis=1)
+    counts = tf.cumsum(mask, axis=1)
+    return sums / tf.maximum(counts, tf.ones([], vectors.dtype))
 
 
 class TransformerEncoder(tf.keras.layers.Layer):
@@ -138,21 +156,40 @@ class GRUEncoder(tf.keras.layers.Layer):
         self.dropout = tf.keras.layers.Dropout(dropout)
         # Defaults only (tanh, sigmoid, reset_after, no recurrent dropout): Keras picks cuDNN
         # on a GPU when the mask allows it and the generic kernel otherwise (and on CPU).
-        self.gru = tf.keras.layers.GRU(dim, name="gru")
+        # Every step's state is returned (the weights do not depend on it): `call` reads the
+        # last item's, `sequence` all of them.
+        self.gru = tf.keras.layers.GRU(dim, return_sequences=True, name="gru")
         self.norm = tf.keras.layers.LayerNormalization(epsilon=1e-6, name="final_norm")
 
-    def call(self, ids: tf.Tensor, training: bool | None = None) -> tf.Tensor:
-        """[n, d]: the final state over each left-aligned, PAD-filled history (0 if empty)."""
+    def _states(self, ids: tf.Tensor, training: bool | None) -> tuple[tf.Tensor, tf.Tensor]:
+        """[n, L, d] states after each step and the [n, L] validity of `ids` (PAD steps skip)."""
         valid = ids >= 0
         x = self.item_embedding(tf.where(valid, ids, tf.zeros_like(ids)))
         x = self.dropout(x * tf.cast(valid, x.dtype)[..., None], training=training)
         some = tf.reduce_any(valid, axis=1, keepdims=True)
         # An all-masked row sends the whole batch to the slow kernel (cuDNN rejects it): an
-        # empty history runs one step on a zero input instead, and is zeroed below.
+        # empty history runs one step on a zero input instead, and is zeroed by the caller.
         first = tf.range(tf.shape(ids)[1])[None, :] == 0
         steps = tf.logical_or(valid, tf.logical_and(first, tf.logical_not(some)))
-        state = self.gru(x, mask=steps, training=training)
-        return self.norm(state) * tf.cast(some, state.dtype)
+        return self.gru(x, mask=steps, training=training), valid
+
+    def call(self, ids: tf.Tensor, training: bool | None = None) -> tf.Tensor:
+        """[n, d]: the final state over each left-aligned, PAD-filled history (0 if empty)."""
+        states, valid = self._states(ids, training)
+        count = tf.reduce_sum(tf.cast(valid, tf.int32), axis=1)
+        # Normalised per step before the gather: the layer norm is always built on [n, L, d].
+        state = tf.gather(self.norm(states), tf.maximum(count - 1, 0), axis=1, batch_dims=1)
+        return state * tf.cast(count > 0, state.dtype)[:, None]
+
+    def sequence(self, ids: tf.Tensor, training: bool | None = None) -> tf.Tensor:
+        """[n, L, d] per-position outputs of right-aligned ids (PAD = -1 at the start).
+
+        PAD steps come first and leave the zero initial state unchanged, so position t holds
+        the state after the items up to t; PAD positions output 0. (On a GPU, cuDNN takes
+        only masks whose PAD steps come last: this path runs the generic kernel there.)
+        """
+        states, valid = self._states(ids, training)
+        return self.norm(states) * tf.cast(valid, states.dtype)[..., None]
 
 
 class _Block(tf.keras.layers.Layer):

@@ -20,6 +20,9 @@ USER_INDEX = "user_index"
 ITEM_INDEX = "item_index"
 HISTORY_INDEX = "history_index"
 ITEM_LOG_PROB = "item_log_prob"
+# One-pass training batches: [windows, L] right-aligned item inputs (HISTORY_INDEX) and the
+# item each position must predict (TARGET_INDEX), PAD where a position trains nothing.
+TARGET_INDEX = "target_index"
 
 
 def feature_index(name: str) -> str:

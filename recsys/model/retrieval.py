@@ -9,9 +9,15 @@ import tensorflow as tf
 import tensorflow_recommenders as tfrs
 
 from recsys.core.config import ModelConfig
-from recsys.losses import in_batch_softmax_loss
-from recsys.model.inputs import HISTORY_INDEX, ITEM_INDEX, ITEM_LOG_PROB, USER_INDEX
-from recsys.model.negatives import full_softmax_loss, mixture_log_q, sample_pool
+from recsys.losses import in_batch_softmax_loss, softmax_loss
+from recsys.model.inputs import HISTORY_INDEX, ITEM_INDEX, ITEM_LOG_PROB, TARGET_INDEX, USER_INDEX
+from recsys.model.negatives import (
+    full_softmax_loss,
+    mixture_log_q,
+    pool_log_q,
+    sample_pool,
+    sampled_softmax_loss,
+)
 from recsys.model.towers import CandidateTower, QueryTower
 
 
@@ -49,6 +55,12 @@ class TwoTowerModel(tfrs.Model):
     (exact softmax, no correction): `recsys.model.negatives`.
     Logits and loss are float32 whatever the towers' precision. The logged `loss` is the mean
     per example over the epoch.
+
+    A batch is either one example per row (`item_index`, the per-prefix path: each row's
+    history encoded on its own) or windows of user sequences (`target_index`, one causal pass:
+    the query tower's `sequence` gives a vector at every position, and every position with a
+    target is one example of the same loss; its negatives are the other positions' targets,
+    the pool or the catalog exactly as for rows).
     """
 
     def __init__(
@@ -62,7 +74,7 @@ class TwoTowerModel(tfrs.Model):
         self.query_tower = query_tower
         self.candidate_tower = candidate_tower
         self.config = config
-        if config.negatives in ("mixed", "full") and item_log_probs is None:
+        if config.negatives in ("mixed", "full", "sampled") and item_log_probs is None:
             raise ValueError(f"model.negatives {config.negatives!r} needs item_log_probs")
         if config.negatives == "auto":
             raise ValueError("model.negatives 'auto' must be resolved before building")
@@ -80,16 +92,45 @@ class TwoTowerModel(tfrs.Model):
         return [self.loss_tracker]
 
     def compute_loss(self, features: dict[str, tf.Tensor], training: bool = False) -> tf.Tensor:
-        query_inputs = {k: features[k] for k in (USER_INDEX, HISTORY_INDEX) if k in features}
-        query = self.query_tower(query_inputs, training=training)
+        return self._loss_and_examples(features, training)[0]
+
+    def _loss_and_examples(
+        self, features: dict[str, tf.Tensor], training: bool
+    ) -> tuple[tf.Tensor, tf.Tensor]:
+        """The batch's summed loss and its number of examples (rows, or trained positions)."""
+        if TARGET_INDEX in features:
+            query, items = self._positions(features, training)
+            log_p = tf.gather(self.item_log_probs, items)
+        else:
+            query_inputs = {k: features[k] for k in (USER_INDEX, HISTORY_INDEX) if k in features}
+            query = self.query_tower(query_inputs, training=training)
+            items, log_p = features[ITEM_INDEX], features[ITEM_LOG_PROB]
+        return self._loss(query, items, log_p, training), tf.shape(items)[0]
+
+    def _positions(
+        self, features: dict[str, tf.Tensor], training: bool
+    ) -> tuple[tf.Tensor, tf.Tensor]:
+        """[P, d] query vectors and [P] target items of the P positions that have a target."""
+        inputs = {USER_INDEX: features[USER_INDEX], HISTORY_INDEX: features[HISTORY_INDEX]}
+        outputs = self.query_tower.sequence(inputs, training=training)
+        targets = features[TARGET_INDEX]
+        trained = targets >= 0
+        return tf.boolean_mask(outputs, trained), tf.boolean_mask(targets, trained)
+
+    def _loss(
+        self, query: tf.Tensor, items: tf.Tensor, log_p: tf.Tensor, training: bool
+    ) -> tf.Tensor:
+        """Summed softmax loss of each query's item under `model.negatives`."""
         if self.config.negatives == "full":
             rows = tf.range(tf.shape(self.item_log_probs, out_type=tf.int64)[0])
             catalog = self.candidate_tower(rows, training=training)
-            return full_softmax_loss(query, catalog, features[ITEM_INDEX], self.config.temperature)
-        candidates = self.candidate_tower(features[ITEM_INDEX], training=training)
-        candidates, ids, log_q = gather_global_candidates(
-            candidates, features[ITEM_INDEX], features[ITEM_LOG_PROB]
-        )
+            if self.jit_compile:  # XLA cannot compile the blocked loop (recsys/losses.py)
+                return full_softmax_loss(query, catalog, items, self.config.temperature)
+            return softmax_loss(query, catalog, items, self.config.temperature)
+        if self.config.negatives == "sampled":
+            return self._sampled(query, items, log_p, training)
+        candidates = self.candidate_tower(items, training=training)
+        candidates, ids, log_q = gather_global_candidates(candidates, items, log_p)
         if self.config.negatives == "mixed":
             candidates, ids, log_q = self._add_pool(candidates, ids, log_q, training)
         log_q = log_q if self.config.logq_correction else None
@@ -105,6 +146,24 @@ class TwoTowerModel(tfrs.Model):
             candidate_ids=ids,
             compute_metrics=False,
             compute_batch_metrics=False,
+        )
+
+    def _sampled(
+        self, query: tf.Tensor, items: tf.Tensor, log_p: tf.Tensor, training: bool
+    ) -> tf.Tensor:
+        """Sampled softmax: each query against its own item and a shared sampled pool."""
+        cfg, oov = self.config, self.config.oov_buckets
+        pool = sample_pool(cfg.sampled_negatives, self.item_log_probs, oov, cfg.negative_sampler)
+        positives = self.candidate_tower(items, training=training)
+        pooled = self.candidate_tower(pool, training=training)
+        log_q_positive = log_q_pool = None
+        if cfg.logq_correction:
+            catalog = int(self.item_log_probs.shape[0]) - oov
+            args = (cfg.sampled_negatives, cfg.negative_sampler, catalog)
+            log_q_positive = pool_log_q(log_p, *args)
+            log_q_pool = pool_log_q(tf.gather(self.item_log_probs, pool), *args)
+        return sampled_softmax_loss(
+            query, positives, pooled, items, pool, cfg.temperature, log_q_positive, log_q_pool
         )
 
     def _add_pool(
@@ -127,7 +186,7 @@ class TwoTowerModel(tfrs.Model):
         loss_scaling = isinstance(self.optimizer, tf.keras.mixed_precision.LossScaleOptimizer)
         replicas = tf.distribute.get_strategy().num_replicas_in_sync
         with tf.GradientTape() as tape:
-            loss = self.compute_loss(features, training=train)
+            loss, examples = self._loss_and_examples(features, train)
             # Regularisation is added on every replica and the gradients are summed: 1/R each.
             total = loss + tf.add_n(self.losses) / replicas if self.losses else loss
             # TFRS's own train_step never scales the loss, so float16 gradients underflow.
@@ -137,8 +196,8 @@ class TwoTowerModel(tfrs.Model):
             if loss_scaling:
                 grads = self.optimizer.get_unscaled_gradients(grads)
             self.optimizer.apply_gradients(zip(grads, self.trainable_variables, strict=True))
-        batch = tf.cast(tf.shape(features[ITEM_INDEX])[0], tf.float32)
-        self.loss_tracker.update_state(loss / batch, sample_weight=batch)
+        batch = tf.cast(examples, tf.float32)
+        self.loss_tracker.update_state(loss / tf.maximum(batch, 1.0), sample_weight=batch)
         return {"loss": self.loss_tracker.result()}
 
     def train_step(self, features: dict[str, tf.Tensor]) -> dict[str, tf.Tensor]:

@@ -7,7 +7,7 @@ from collections.abc import Sequence
 
 import tensorflow as tf
 
-from recsys.model.encoders import EncoderSpec, GRUEncoder, TransformerEncoder
+from recsys.model.encoders import EncoderSpec, GRUEncoder, TransformerEncoder, prefix_mean
 from recsys.model.inputs import HISTORY_INDEX, ITEM_INDEX, USER_INDEX, feature_index
 from recsys.model.layers import Baked, bake_features, embedding, masked_mean, mlp, tower_output
 
@@ -105,10 +105,37 @@ class QueryTower(_Tower):
                 x = x + masked_mean(self.history_embedding, history)
             else:
                 x = x + tf.cast(encoder(history, training=training), x.dtype)
+        features = self._user_features(users)
+        return self.finish(x if features is None else x + features)
+
+    def sequence(self, inputs: dict[str, tf.Tensor], training: bool | None = None) -> tf.Tensor:
+        """[n, L, d]: the query vector at every position of right-aligned history windows.
+
+        Position t's vector is the query for the history up to t (one causal pass:
+        `recsys.model.encoders`); user terms are the same at every position.
+        """
+        users, history = inputs[USER_INDEX], inputs[HISTORY_INDEX]
+        shape = tf.concat([tf.shape(history), [self.embedding_dim]], 0)
+        x = tf.zeros(shape, self.compute_dtype)
+        if self.embedding is not None:
+            x = x + self.embedding(users)[:, None, :]
+        if self.history_embedding is not None:
+            encoder = getattr(self, "encoder", None)
+            if encoder is None:
+                x = x + prefix_mean(self.history_embedding, history)
+            else:
+                x = x + tf.cast(encoder.sequence(history, training=training), x.dtype)
+        features = self._user_features(users)
+        return self.finish(x if features is None else x + features[:, None, :])
+
+    def _user_features(self, users: tf.Tensor) -> tf.Tensor | None:
+        """[n, d]: the sum of the user's side-feature token vectors (None: no user features)."""
+        total = None
         for name in getattr(self, "feature_names", ()):
-            ids = tf.gather(self.feature_ids[name], inputs[USER_INDEX])
-            x = x + masked_mean(self.feature_embeddings[name], ids)
-        return self.finish(x)
+            ids = tf.gather(self.feature_ids[name], users)
+            vector = masked_mean(self.feature_embeddings[name], ids)
+            total = vector if total is None else total + vector
+        return total
 
 
 class CandidateTower(_Tower):

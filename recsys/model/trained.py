@@ -171,6 +171,32 @@ class TrainedModel:
             else np.zeros((0, self.output_dim), np.float32)
         )
 
+    def query_embeddings(
+        self,
+        user_index: np.ndarray,
+        history_index: np.ndarray | None = None,
+        batch_size: int = 65536,
+    ) -> np.ndarray:
+        """[n, d] float32 query vectors of already looked-up inputs: user indices and
+        [n, history_length] item-index histories (oldest first, PAD after; None: empty)."""
+        parts = []
+        for i in range(0, len(user_index), batch_size):
+            inputs = {USER_INDEX: tf.constant(user_index[i : i + batch_size], tf.int64)}
+            if self.config.history_length:
+                length = self.config.history_length
+                if history_index is None:
+                    rows = min(batch_size, len(user_index) - i)
+                    hist = np.full((rows, length), PAD, np.int64)
+                else:
+                    hist = history_index[i : i + batch_size]
+                inputs[HISTORY_INDEX] = tf.constant(hist, tf.int64)
+            parts.append(self.query_tower(inputs).numpy())
+        return (
+            np.concatenate(parts).astype(np.float32)
+            if parts
+            else np.zeros((0, self.output_dim), np.float32)
+        )
+
     def save(self, path: Path) -> None:
         """Weights (TF checkpoints), vocabularies, item features and model config under `path`."""
         storage.write_model(

@@ -89,7 +89,7 @@ def in_memory_dataset(
     # Constants in the input graph: fine for the sizes `cache: auto` admits (GraphDefs < 2 GB).
     tensors = {name: tf.constant(values) for name, values in columns.items()}
     if shuffle:
-        ds = _permuted_batches(n, batch_size, seed, drop_remainder)
+        ds = permuted_batches(n, batch_size, seed, drop_remainder)
     else:
         ds = tf.data.Dataset.range(n).batch(batch_size, drop_remainder=drop_remainder)
     ds = ds.map(
@@ -99,7 +99,7 @@ def in_memory_dataset(
     return ds.prefetch(tf.data.AUTOTUNE)
 
 
-def _permuted_batches(
+def permuted_batches(
     n: int, batch_size: int, seed: int | None, drop_remainder: bool
 ) -> tf.data.Dataset:
     """Row-index batches of a new random permutation of range(n) every iteration (epoch)."""

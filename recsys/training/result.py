@@ -41,6 +41,9 @@ class TrainResult:
     chief: bool = True
     jit_compile: bool = False
     cached: bool = False
+    # training.input: sequences (one causal pass per window; examples = trained positions)
+    # or rows (one example per interaction row).
+    input: str = "rows"
     # training.refit: the kept model is a second fit on `refit_splits` for this many epochs
     # (the first fit's `best_epoch`, or training.epochs without early stopping); history and
     # examples are the first fit's.

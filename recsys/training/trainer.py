@@ -11,7 +11,6 @@ import dataclasses
 import json
 import logging
 import os
-import shutil
 import tempfile
 import time
 from collections.abc import Iterator
@@ -19,15 +18,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import tensorflow as tf
 
-from recsys import evaluation as ev
-from recsys.core import schema
-from recsys.core.config import EvaluationConfig, ModelConfig, RecsysConfig, TrainingConfig
+from recsys.core.config import ModelConfig, RecsysConfig, TrainingConfig
 from recsys.core.errors import ConfigError, OutOfMemoryError, StorageError, storage_errno
 from recsys.core.layout import DataFile
-from recsys.data_io import concat_batches, count_rows, iter_split
 from recsys.model import (
     ItemFeatures,
     TrainedModel,
@@ -37,45 +32,64 @@ from recsys.model import (
     warm_start,
 )
 from recsys.model.defaults import DataShape, apply_dense_log, resolve, resolve_schedule
-from recsys.training.dataset import (
-    in_memory_bytes,
-    in_memory_dataset,
-    item_log_probabilities,
-    training_dataset,
-)
+from recsys.training.dataset import item_log_probabilities
+from recsys.training.fit_input import FitPlan, capped_steps, plan_fit, use_cache
 from recsys.training.keras_backup_adapter import BackupEveryStepsAndEpoch
 from recsys.training.lazy_adam import LazyAdam
 from recsys.training.memory import check_memory
-from recsys.training.parameter_servers import (
-    is_parameter_server,
-    parameter_server_strategy,
-    per_worker_dataset,
-)
+from recsys.training.parameter_servers import is_parameter_server, parameter_server_strategy
 from recsys.training.result import TrainResult, load_first_fit, save_first_fit
+from recsys.training.validation import ValidationRecall, validation_callback
+from recsys.training.windows import TrainingSequences
+
+__all__ = [
+    "IncrementalStart",
+    "TrainResult",
+    "ValidationRecall",
+    "build_model",
+    "is_chief",
+    "make_strategy",
+    "train",
+    "use_cache",
+    "validation_callback",
+    "write_dir",
+]
 
 log = logging.getLogger(__name__)
 
-AUTO_CACHE_BYTES = 1 << 30
-"""`training.cache: auto` keeps splits in memory up to this size (estimated, see dataset.py)."""
-
 
 class EpochTimer(tf.keras.callbacks.Callback):
-    """Seconds spent in training steps per epoch (validation and other callbacks excluded)."""
+    """Seconds spent in training steps per epoch (validation and other callbacks excluded),
+    and the examples each epoch trained (one-pass windows hold a varying number)."""
 
     def __init__(self) -> None:
         super().__init__()
         # Keep Keras from converting the logs to numpy after every batch (a device sync).
         self._supports_tf_logs = True
         self.seconds: list[float] = []
+        self.examples: list[int] = []
+        self._trained: int | None = None
 
     def on_epoch_begin(self, epoch: int, logs: dict[str, float] | None = None) -> None:
         self._start = self._last = time.perf_counter()
+        self._trained = None
 
     def on_train_batch_end(self, batch: int, logs: dict[str, float] | None = None) -> None:
         self._last = time.perf_counter()
 
+    def on_test_begin(self, logs: dict[str, float] | None = None) -> None:
+        # The validation pass resets the model's metrics right after this: count them first.
+        if self._trained is None:
+            self._trained = self._count()
+
     def on_epoch_end(self, epoch: int, logs: dict[str, float] | None = None) -> None:
         self.seconds.append(self._last - self._start)
+        self.examples.append(self._count() if self._trained is None else self._trained)
+
+    def _count(self) -> int:
+        """Examples the loss tracker weighed since the epoch began (summed over replicas)."""
+        tracker = getattr(self.model, "loss_tracker", None)
+        return 0 if tracker is None else round(float(tracker.count.numpy()))
 
 
 class EpochLogger(tf.keras.callbacks.Callback):
@@ -90,137 +104,6 @@ class EpochLogger(tf.keras.callbacks.Callback):
         values = " ".join(f"{k}={v:.4f}" for k, v in (logs or {}).items())
         elapsed = time.perf_counter() - self.start
         log.info("epoch %d/%d %s (%.1fs)", epoch + 1, self.epochs, values, elapsed)
-
-
-class ValidationRecall(tf.keras.callbacks.Callback):
-    """Exact validation metrics each epoch (`val_<metric>` in the logs), with early stopping.
-
-    Ranks the whole catalog for every validation user (recsys.evaluation, training items
-    removed). With `patience` > 0, stops after that many epochs without improving `metric`
-    and at the end puts back the best epoch's tower weights (0: metrics only, last weights).
-    With a `state_dir` (in the BackupAndRestore folder) the best value, epoch, patience count
-    and best weights are written there every epoch, so a killed and resumed run still keeps
-    the best epoch of the whole run, not only of the epochs since the resume.
-    """
-
-    STATE = "state.json"
-
-    def __init__(
-        self,
-        trained: TrainedModel,
-        eval_set: ev.EvalSet,
-        histories: list[list[bytes]] | None,
-        metric: str,
-        patience: int,
-        state_dir: Path | None = None,
-        chief: bool = True,
-    ) -> None:
-        super().__init__()
-        self.trained = trained
-        self.eval_set = eval_set
-        self.histories = histories
-        self.metric = metric
-        self.patience = patience
-        k = int(metric.rsplit("_", 1)[1])
-        self.eval_config = EvaluationConfig(ks=[k], ndcg_k=k, mrr_k=k, coverage_k=0)
-        self.best = -np.inf
-        self.best_epoch: int | None = None
-        self.best_weights: list[list[np.ndarray]] | None = None
-        self.wait = 0
-        # Only early stopping needs the state; every worker reads the chief's copy.
-        self.state_dir = state_dir if patience else None
-        self.chief = chief
-        self.best_checkpoint: str | None = None  # the resumed run's best weights, on disk
-
-    def _towers(self) -> tf.train.Checkpoint:
-        return tf.train.Checkpoint(
-            query=self.trained.query_tower, candidate=self.trained.candidate_tower
-        )
-
-    def on_train_begin(self, logs: dict[str, float] | None = None) -> None:
-        if self.state_dir is None or not (self.state_dir / self.STATE).is_file():
-            return
-        state = json.loads((self.state_dir / self.STATE).read_text())
-        self.best, self.best_epoch, self.wait = state["best"], state["best_epoch"], state["wait"]
-        self.best_checkpoint = str(self.state_dir / state["weights"])
-        log.info(
-            "resumed early stopping: best %s=%.4f at epoch %d, %d epoch(s) without gain",
-            self.metric,
-            self.best,
-            self.best_epoch + 1,
-            self.wait,
-        )
-
-    def _save_state(self, epoch: int, improved: bool) -> None:
-        """Best weights first (a new prefix per epoch), then the JSON naming them, atomically."""
-        if self.state_dir is None:
-            return
-        target = self.state_dir if self.chief else Path(tempfile.mkdtemp(prefix="es-workertemp-"))
-        target.mkdir(parents=True, exist_ok=True)
-        state_file = self.state_dir / self.STATE
-        previous = json.loads(state_file.read_text()) if state_file.is_file() else None
-        weights = f"best-{self.best_epoch}" if improved or previous is None else None
-        if weights is not None:
-            self._towers().write(str(target / weights / "towers"))
-        else:
-            weights = previous["weights"]
-        state = {
-            "metric": self.metric,
-            "best": self.best,
-            "best_epoch": self.best_epoch,
-            "wait": self.wait,
-            "epoch": epoch,
-            "weights": weights,
-        }
-        (target / (self.STATE + ".tmp")).write_text(json.dumps(state))
-        os.replace(target / (self.STATE + ".tmp"), target / self.STATE)
-        if not self.chief:  # the Keras multi-worker pattern: write everything, keep nothing
-            shutil.rmtree(target, ignore_errors=True)
-            return
-        for old in target.glob("best-*"):
-            if old.name != weights:
-                shutil.rmtree(old, ignore_errors=True)
-
-    def score(self) -> float:
-        """The metric of the current weights on the validation users."""
-        users = self.trained.user_embeddings(self.eval_set.users, self.histories)
-        scores = ev.dot_product_scores(users, self.trained.item_embeddings())
-        return ev.evaluate(scores, self.eval_set, self.eval_config).metrics[self.metric]
-
-    def on_epoch_end(self, epoch: int, logs: dict[str, float] | None = None) -> None:
-        value = self.score()
-        if logs is not None:
-            logs[f"val_{self.metric}"] = value
-        if value > self.best:
-            self.best, self.best_epoch, self.wait = value, epoch, 0
-            self.best_weights = [
-                tower.get_weights()
-                for tower in (self.trained.query_tower, self.trained.candidate_tower)
-            ]
-            self.best_checkpoint = None
-            self._save_state(epoch, improved=True)
-            return
-        self.wait += 1
-        self._save_state(epoch, improved=False)
-        if self.patience and self.wait >= self.patience:
-            log.info("early stopping: no %s gain for %d epochs", self.metric, self.wait)
-            self.model.stop_training = True
-
-    def on_train_end(self, logs: dict[str, float] | None = None) -> None:
-        if self.patience and self.best_epoch is not None:
-            log.info("keeping epoch %d (val %s=%.4f)", self.best_epoch + 1, self.metric, self.best)
-            if self.best_checkpoint is not None:  # best before the resume: from the backup
-                restored = self._towers().read(self.best_checkpoint + "/towers")
-                restored.assert_existing_objects_matched()
-            elif self.best_weights is not None:
-                for tower, weights in zip(
-                    (self.trained.query_tower, self.trained.candidate_tower),
-                    self.best_weights,
-                    strict=True,
-                ):
-                    tower.set_weights(weights)
-        if self.state_dir is not None and self.chief:  # a finished run starts afresh next time
-            shutil.rmtree(self.state_dir, ignore_errors=True)
 
 
 def learning_rate(
@@ -396,48 +279,31 @@ def resolved_model_config(config: RecsysConfig, data_dir: Path) -> ModelConfig:
     return model_config
 
 
-def use_jit(setting: str, replicas: int, gpus: int = 0) -> bool:
-    """`training.jit_compile`: auto compiles the step with XLA on one GPU only.
+def use_jit(setting: str, replicas: int, gpus: int = 0, source: str = "rows") -> bool:
+    """`training.jit_compile`: auto compiles the step with XLA on one GPU, per-row input only.
 
     On CPU the uncompiled step is faster: it computes the in-batch softmax in cache-sized row
     blocks (recsys/losses.py), a loop XLA cannot compile; XLA's fused TFRS task measured
     1.6-2x slower per step (docs/BENCHMARKS.md). Several replicas: the all_gather stays
-    outside XLA.
+    outside XLA. Sequence windows gather their trained positions (a shape known only at run
+    time), which XLA cannot compile either.
     """
-    return setting == "on" or (setting == "auto" and replicas == 1 and gpus > 0)
+    if setting == "on" and source == "sequences":
+        raise ConfigError(
+            "training.jit_compile on needs training.input rows: one-pass sequence training "
+            "selects its trained positions at run time, which XLA cannot compile"
+        )
+    return setting == "on" or (
+        setting == "auto" and replicas == 1 and gpus > 0 and source == "rows"
+    )
 
 
-def validation_callback(
-    config: RecsysConfig,
-    data_dir: Path,
-    trained: TrainedModel,
-    state_dir: Path | None = None,
-    chief: bool = True,
-) -> ValidationRecall | None:
-    """Exact validation metrics (and early stopping), or None without a validation split."""
-    # The same user sample as the test evaluation: exact ranking of every validation user
-    # over the catalog each epoch is the cost that sampling bounds. The split streams, so
-    # only the sampled rows' histories are ever held (not every row's, then a sample).
-    total = count_rows(data_dir, "validation")
-    if not total:
-        return None
-    chosen = ev.sample_indices(total, config.evaluation.sample_users, config.evaluation.sample_seed)
-    validation = concat_batches(
-        ev.sampled_batches(iter_split(data_dir, "validation"), chosen), schema.FEATURE_NAMES
-    )
-    ids = (schema.USER_ID, schema.ITEM_ID)
-    eval_set = ev.build_eval_set(trained.items, validation, iter_split(data_dir, "train", ids))
-    histories = list(validation[schema.HISTORY]) if schema.HISTORY in validation else None
-    tc = config.training
-    return ValidationRecall(
-        trained,
-        eval_set,
-        histories,
-        tc.early_stopping_metric,
-        tc.early_stopping_patience,
-        state_dir=state_dir,
-        chief=chief,
-    )
+@dataclass(frozen=True)
+class IncrementalStart:
+    """Where an incremental night starts: the serving model and the newest second it saw."""
+
+    model_dir: Path
+    since: int  # positions with a later timestamp are the new ones
 
 
 def train(
@@ -445,6 +311,7 @@ def train(
     data_dir: Path,
     backup_dir: Path | None = None,
     callbacks: list[tf.keras.callbacks.Callback] | None = None,
+    start: IncrementalStart | None = None,
 ) -> TrainResult:
     """Train towers on data_dir's train split, validating on its validation split.
 
@@ -452,9 +319,16 @@ def train(
     early-stopping state: a run killed mid-training and started again with the same folder
     continues where it stopped, with the best epoch so far. Under `training.refit` it also
     keeps the finished first fit, so a run killed during the refit resumes the refit. Under
-    several workers only the chief writes there (`TrainResult.chief`).
+    several workers only the chief writes there (`TrainResult.chief`). With
+    `training.mode: incremental` and a `start`, the fits begin from that model's weights and
+    train the positions newer than `start.since` plus a replay sample.
     """
     tc = config.training
+    start = start if tc.mode == "incremental" else None
+    if tc.mode == "incremental" and tc.input != "sequences":
+        raise ConfigError("training.mode incremental needs training.input sequences")
+    if tc.mode == "incremental" and start is None:
+        log.info("incremental training: no previous model to start from, training in full")
     gpus = configure_gpus(tc.gpu_memory_growth)
     # MultiWorkerMirroredStrategy must exist before other TF ops run in the process.
     strategy = make_strategy(tc.strategy, gpus, tc.ps_min_shard_bytes)
@@ -462,7 +336,9 @@ def train(
     if tc.deterministic:
         tf.config.experimental.enable_op_determinism()
     previous = None
-    if tc.warm_start_from:
+    if start is not None:
+        previous = TrainedModel.load(start.model_dir)
+    elif tc.warm_start_from:
         previous = TrainedModel.load(Path(tc.warm_start_from))
     stats = json.loads((data_dir / DataFile.STATS).read_text())
     config, dense = _dense_log(config, stats)
@@ -470,12 +346,25 @@ def train(
     for reason in reasons:
         log.info("training auto setting: %s", reason)
     check_memory(config, stats["users"], stats["items"], stats["splits"]["train"])
+    sequences = None
+    if tc.input == "sequences":
+        sequences = TrainingSequences.load(data_dir, config.model.oov_buckets, start is not None)
+        if start is not None:
+            new = sequences.incremental(start.since, tc.replay_fraction, tc.seed)
+            log.info(
+                "incremental training from %s: %d positions after %d, replay %.0f%% of older",
+                start.model_dir,
+                new,
+                start.since,
+                100 * tc.replay_fraction,
+            )
     setup = _Setup(
         strategy=strategy,
         precision=resolve_precision(tc.precision, gpus),
-        jit=use_jit(tc.jit_compile, strategy.num_replicas_in_sync, len(gpus)),
+        jit=use_jit(tc.jit_compile, strategy.num_replicas_in_sync, len(gpus), tc.input),
         stats=stats,
         previous=previous,
+        sequences=sequences,
     )
     extra = callbacks or []
     refit = bool(tc.refit_splits and stats["splits"]["validation"])
@@ -537,6 +426,7 @@ class _Setup:
     jit: bool
     stats: dict[str, Any]
     previous: TrainedModel | None  # training.warm_start_from's model
+    sequences: TrainingSequences | None = None  # training.input sequences: read once
 
 
 def _first_fit(
@@ -550,20 +440,23 @@ def _first_fit(
     tc, strategy, stats = config.training, setup.strategy, setup.stats
     replicas = strategy.num_replicas_in_sync
     chief = is_chief(strategy)
-    steps = _steps(_examples_per_epoch(stats["splits"]["train"], tc), tc.batch_size, False)
+    plan = plan_fit(config, data_dir, stats, strategy, ("train",), setup.sequences)
     with strategy.scope():
-        trained, model = build_model(config, data_dir, setup.precision, setup.jit, steps)
+        trained, model = build_model(
+            config, data_dir, setup.precision, setup.jit, _schedule_steps(plan)
+        )
         if setup.previous is not None:
             copied = warm_start(trained, setup.previous)
-            log.info("warm start from %s: rows taken over %s", tc.warm_start_from, copied)
-    cached = use_cache(tc.cache, stats["splits"], trained, strategy)
-    train_ds, val_ds = _datasets(config, data_dir, trained, strategy, stats["splits"], cached)
+            log.info("warm start: rows taken over %s", copied)
+    train_ds, val_ds = plan.datasets(trained, strategy)
     timer = EpochTimer()
     callbacks: list[tf.keras.callbacks.Callback] = [timer]
     validator = None
     if stats["splits"]["validation"]:
         state_dir = None if backup_dir is None else backup_dir / "early_stopping"
-        validator = validation_callback(config, data_dir, trained, state_dir, chief)
+        validator = validation_callback(
+            config, data_dir, trained, state_dir, chief, setup.sequences
+        )
     # The validator saves its state before the epoch's backup: a kill between the two redoes
     # the epoch rather than losing its validation result.
     if validator is not None:
@@ -577,18 +470,14 @@ def _first_fit(
     callbacks.append(EpochLogger(tc.epochs))  # last: it logs what the others added
     callbacks += extra
     announce_fit(extra, "train")
-    cap = tc.max_steps_per_epoch or None
     start = time.perf_counter()
     with _fit_errors(tc, replicas, backup_dir):
         history = model.fit(
             train_ds,
             epochs=tc.epochs,
-            # Workers repeat their pipelines: the coordinator counts the steps of an epoch.
-            steps_per_epoch=_steps(stats["splits"]["train"], tc.batch_size, False)
-            if is_parameter_server(strategy)
-            else _capped(cap, train_ds),
+            steps_per_epoch=_fit_steps(plan, strategy, train_ds),
             validation_data=val_ds,
-            validation_steps=None if val_ds is None else _capped(cap, val_ds),
+            validation_steps=None if val_ds is None else capped_steps(tc, val_ds),
             callbacks=callbacks,
             verbose=0,
         )
@@ -603,7 +492,7 @@ def _first_fit(
     return TrainResult(
         model=trained,
         history={k: [float(v) for v in vs] for k, vs in history.history.items()},
-        examples=_examples_per_epoch(stats["splits"]["train"], tc) * epochs_run,
+        examples=sum(timer.examples) if timer.examples else plan.budget_examples * epochs_run,
         seconds=seconds,
         strategy=_strategy_name(strategy),
         replicas=replicas,
@@ -612,8 +501,23 @@ def _first_fit(
         epoch_seconds=timer.seconds,
         chief=chief,
         jit_compile=setup.jit,
-        cached=cached,
+        cached=plan.cached,
+        input=tc.input,
     )
+
+
+def _schedule_steps(plan: FitPlan) -> int:
+    """Steps one epoch of this plan runs (the learning-rate schedule's unit)."""
+    cap = plan.config.training.max_steps_per_epoch
+    return min(plan.steps, cap) if cap else plan.steps
+
+
+def _fit_steps(plan: FitPlan, strategy: tf.distribute.Strategy, train_ds: object) -> int | None:
+    """`steps_per_epoch` for Keras: the coordinator counts an epoch's steps under parameter
+    servers (workers repeat their pipelines); else the step budget, if any."""
+    if is_parameter_server(strategy):
+        return plan.steps
+    return capped_steps(plan.config.training, train_ds)  # type: ignore[arg-type]
 
 
 @contextlib.contextmanager
@@ -657,14 +561,14 @@ def _refit(
     epochs = first.best_epoch or tc.epochs
     log.info("refit: %d epoch(s) on the %s splits together", epochs, " + ".join(splits))
     tf.keras.utils.set_random_seed(tc.seed)
-    counts = {"train": sum(int(setup.stats["splits"][name]) for name in splits)}
-    steps = _steps(_examples_per_epoch(counts["train"], tc), tc.batch_size, False)
+    plan = plan_fit(config, data_dir, setup.stats, strategy, splits, setup.sequences, False)
     with strategy.scope():
-        trained, model = build_model(config, data_dir, first.precision, first.jit_compile, steps)
+        trained, model = build_model(
+            config, data_dir, first.precision, first.jit_compile, _schedule_steps(plan)
+        )
         if setup.previous is not None:
             warm_start(trained, setup.previous)
-    cached = use_cache(tc.cache, counts, trained, strategy)
-    train_ds, _ = _datasets(config, data_dir, trained, strategy, counts, cached, splits)
+    train_ds, _ = plan.datasets(trained, strategy)
     timer = EpochTimer()
     own: list[tf.keras.callbacks.Callback] = [timer]
     if backup_dir is not None:
@@ -676,9 +580,7 @@ def _refit(
         model.fit(
             train_ds,
             epochs=epochs,
-            steps_per_epoch=_steps(counts["train"], tc.batch_size, False)
-            if is_parameter_server(strategy)
-            else _capped(tc.max_steps_per_epoch or None, train_ds),
+            steps_per_epoch=_fit_steps(plan, strategy, train_ds),
             callbacks=[*own, EpochLogger(epochs), *callbacks],
             verbose=0,
         )
@@ -686,114 +588,11 @@ def _refit(
         first,
         model=trained,
         refit_epochs=epochs,
-        refit_examples=_examples_per_epoch(counts["train"], tc) * epochs,
+        refit_examples=sum(timer.examples) if timer.examples else plan.budget_examples * epochs,
         refit_seconds=time.perf_counter() - start,
         refit_splits=splits,
         evaluation_model=first.model if "test" in splits else None,
     )
-
-
-def _capped(cap: int | None, ds: tf.data.Dataset) -> int | None:
-    """Steps per pass under the step budget (None: the whole dataset)."""
-    steps = int(ds.cardinality())
-    return cap if cap is not None and 0 < cap < steps else None
-
-
-def _examples_per_epoch(train_rows: int, tc: TrainingConfig) -> int:
-    """Training examples one epoch sees: the split, or the step budget's batches."""
-    if tc.max_steps_per_epoch:
-        return min(int(train_rows), tc.max_steps_per_epoch * tc.batch_size)
-    return int(train_rows)
-
-
-def use_cache(
-    setting: str, counts: dict[str, int], trained: TrainedModel, strategy: tf.distribute.Strategy
-) -> bool:
-    """`training.cache`: auto keeps the splits in memory when they are small and one worker
-    trains (several workers each read their shard of the files)."""
-    if setting != "auto":
-        return setting == "memory"
-    if isinstance(strategy, tf.distribute.MultiWorkerMirroredStrategy) or is_parameter_server(
-        strategy
-    ):
-        return False
-    size = in_memory_bytes(counts["train"] + counts.get("validation", 0), trained)
-    return size <= AUTO_CACHE_BYTES
-
-
-def _datasets(
-    config: RecsysConfig,
-    data_dir: Path,
-    trained: TrainedModel,
-    strategy: tf.distribute.Strategy,
-    counts: dict[str, int],
-    cached: bool = False,
-    train_splits: tuple[str, ...] = ("train",),
-) -> tuple[tf.data.Dataset, tf.data.Dataset | None]:
-    """Train and validation (None when empty) batches with a known number of steps.
-
-    `train_splits` are read as one training set (a refit's splits); `counts` then holds
-    their total under "train".
-    """
-    tc = config.training
-    if is_parameter_server(strategy):
-        # Each worker streams its own shuffled copy; validation runs on the coordinator
-        # (exact recall, ValidationRecall), not as a Keras validation pass.
-        return per_worker_dataset(
-            lambda: training_dataset(
-                data_dir,
-                train_splits,
-                trained,
-                tc.batch_size,
-                tc.shuffle_buffer,
-                deterministic=False,
-            )
-        ), None
-    # Several replicas: equal per-replica batches, so every all_gather has the same shape.
-    drop = strategy.num_replicas_in_sync > 1
-    if drop and counts["train"] < tc.batch_size:
-        raise ConfigError(
-            f"training.batch_size {tc.batch_size} exceeds the {counts['train']} training "
-            f"examples; with {strategy.num_replicas_in_sync} replicas no full batch is left"
-        )
-    if cached:
-        train = in_memory_dataset(
-            data_dir, train_splits, trained, tc.batch_size, True, tc.seed, drop_remainder=drop
-        )
-    else:
-        train = training_dataset(
-            data_dir,
-            train_splits,
-            trained,
-            tc.batch_size,
-            tc.shuffle_buffer,
-            tc.seed,
-            deterministic=tc.deterministic,
-            drop_remainder=drop,
-        )
-    # A known number of steps: BackupAndRestore needs it to resume mid-epoch.
-    train = train.apply(
-        tf.data.experimental.assert_cardinality(_steps(counts["train"], tc.batch_size, drop))
-    )
-    val = None
-    if counts.get("validation") and _steps(counts["validation"], tc.batch_size, drop):
-        read = in_memory_dataset if cached else training_dataset
-        val = read(data_dir, "validation", trained, tc.batch_size, drop_remainder=drop)
-        val = val.apply(
-            tf.data.experimental.assert_cardinality(
-                _steps(counts["validation"], tc.batch_size, drop)
-            )
-        )
-    if drop and isinstance(strategy, tf.distribute.MultiWorkerMirroredStrategy):
-        return _shard_by_data(train), None if val is None else _shard_by_data(val)
-    return train, val
-
-
-def _shard_by_data(ds: tf.data.Dataset) -> tf.data.Dataset:
-    """Shard batches across workers (file-based sharding needs >= one file per worker)."""
-    options = tf.data.Options()
-    options.experimental_distribute.auto_shard_policy = tf.data.experimental.AutoShardPolicy.DATA
-    return ds.with_options(options)
 
 
 def _strategy_name(strategy: tf.distribute.Strategy) -> str:
@@ -802,7 +601,3 @@ def _strategy_name(strategy: tf.distribute.Strategy) -> str:
     if isinstance(strategy, tf.distribute.MultiWorkerMirroredStrategy):
         return "multi_worker"
     return "mirrored" if isinstance(strategy, tf.distribute.MirroredStrategy) else "one_device"
-
-
-def _steps(examples: int, batch_size: int, drop_remainder: bool) -> int:
-    return examples // batch_size if drop_remainder else -(-examples // batch_size)
