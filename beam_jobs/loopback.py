@@ -34,7 +34,7 @@ def loopback_grpc_servers() -> Iterator[None]:
     def server(*args: Any, **kwargs: Any) -> grpc.Server:
         created = original(*args, **kwargs)
         add = created.add_insecure_port
-        created.add_insecure_port = lambda address: add(loopback_address(address))  # type: ignore[method-assign]
+        created.add_insecure_port = lambda address: add(loopback_address(address))
         return created
 
     grpc.server = server

@@ -390,7 +390,7 @@ def _record_champion(config: RecsysConfig, workdir: Workdir) -> None:
     """
     client = connect(config, workdir.root)
     champion = registry.alias_version(client, config.model_name, registry.CHAMPION)
-    if champion is None:
+    if champion is None or champion.run_id is None:
         return
     tags = client.get_run(champion.run_id).data.tags
     record = {

@@ -48,6 +48,7 @@ from recsys.core.redact import redact_tree
 from recsys.model import TrainedModel
 from recsys.model_evaluation import evaluate_model
 from recsys.synthetic import items_path, write_csv, write_items_csv
+from recsys.training.result import TrainResult
 from recsys.training.trainer import is_chief, write_dir
 from recsys.training.trainer import train as fit
 from serving_export.activity import read_activity
@@ -119,7 +120,7 @@ def train(
     data_dir: Path | None = None,
     run_dir: Path | None = None,
     callbacks: Sequence[Any] = (),
-) -> tuple[Path | None, Any]:
+) -> tuple[Path | None, TrainResult]:
     """Train on the date's data; the run folder gets the model, history and config.
 
     `run_dir` reuses a folder (the nightly's run for this date and config); by default a new

@@ -333,7 +333,7 @@ def _reload_in_fresh_process(
     exported: dict[str, Path], calls: list[dict[str, Any]], tmp: Path
 ) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
     """Run reload_check.py in a new interpreter; return its report and output arrays."""
-    request = {
+    request: dict[str, Any] = {
         "models": {name: str(path) for name, path in exported.items()},
         "calls": calls,
         "outputs": str(tmp / "outputs.npz"),
