@@ -72,7 +72,7 @@ REPORTED_METRICS = (
     "mrr_at_100",
     "coverage_at_10",
 )
-"""The metrics of the DESIGN.md protocol, in the order reports list them."""
+"""The metrics of the evaluation protocol (docs/PROTOCOL.md), in the order reports list them."""
 
 
 def resolve_input(

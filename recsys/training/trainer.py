@@ -268,7 +268,7 @@ def resolve_precision(precision: str, gpus: list[tf.config.PhysicalDevice]) -> s
     if precision != "auto":
         return precision
     if not gpus:
-        return "float32"  # bf16 brought no speed on CPU, fp16 is emulated there (GOTCHAS).
+        return "float32"  # bf16 brought no speed on CPU (dims 32-64); fp16 is emulated there.
     capabilities = [
         tf.config.experimental.get_device_details(gpu).get("compute_capability", (0, 0))
         for gpu in gpus
@@ -349,7 +349,8 @@ def build_model(
     jit_compile: bool = False,
     steps_per_epoch: int = 1,
 ) -> tuple[TrainedModel, TwoTowerModel]:
-    """Towers under the precision policy; task, metrics and model in float32 (GOTCHAS).
+    """Towers under the precision policy; task, metrics and model in float32 (TFRS's task
+    fails on mixed float16/bfloat16 inputs, docs/TRAINING.md).
 
     `steps_per_epoch` (the fit's batches per epoch) sets the learning-rate schedule's length.
     """
