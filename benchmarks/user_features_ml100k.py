@@ -1,6 +1,6 @@
 """Do user side features help on MovieLens 100K? The default config with and without them.
 
-Protocol (docs/ARCHITECTURE.md, as benchmarks/quality_ml100k.py): our Beam job's leave-last-out
+Protocol (docs/PROTOCOL.md, as benchmarks/quality_ml100k.py): our Beam job's leave-last-out
 split of `u.data` (with `u.user` joined into user_features.parquet: age, gender, occupation,
 zip code), the test item ranked exactly against the whole catalog with train and validation
 items removed. For each seed, `configs/movielens-100k.yaml` is trained with

@@ -498,7 +498,7 @@ def _metrics_table(run_dir: Path, metrics: dict[str, float]) -> list[str]:
     baselines = report.get("baselines", {})
     users = int(metrics.get("eval_users", 0))
     lines = [
-        f"## Test metrics ({users} users; {report.get('protocol', 'see docs/ARCHITECTURE.md')})",
+        f"## Test metrics ({users} users; {report.get('protocol', 'see docs/PROTOCOL.md')})",
         "",
         "| metric | model | " + " | ".join(baselines) + " |",
         "|---|---|" + "---|" * len(baselines),

@@ -29,11 +29,13 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import pytest
 import yaml
 from markdown_it import MarkdownIt
 
 from conductor import cli
+from recsys.ab.simulate import event_log
 from recsys.core.config import RecsysConfig, parse_config
 from tests.conftest import SMALL, SMALL_DATE
 
@@ -131,6 +133,23 @@ def tiny_default_config() -> dict[str, object]:
     return raw
 
 
+def _ab_logs(root: Path) -> None:
+    """The A/B examples' inputs: a user list and exposure logs made by the A/B simulator."""
+    (root / "users.txt").write_text("".join(f"u{i}\n" for i in range(20)))
+    rng = np.random.default_rng(0)
+    log = event_log(rng, users=2000, days=14, start="2026-01-06", lift=0.1, experiment="homepage")
+    log.to_parquet(root / "exposures.parquet")
+    log.to_csv(root / "exposures.csv", index=False)
+    (root / "exposures").mkdir()
+    half = len(log) // 2
+    log.iloc[:half].to_parquet(root / "exposures" / "part-0.parquet")
+    log.iloc[half:].to_parquet(root / "exposures" / "part-1.parquet")
+    log[log["timestamp"] < "2026-01-06"].to_parquet(root / "pre.parquet")
+    event_log(rng, users=2000, days=28, experiment="traffic").to_parquet(
+        root / "last-month.parquet"
+    )
+
+
 @pytest.fixture(scope="module")
 def sandbox(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A checkout-like folder after `recsys nightly --date SANDBOX_DATE` with the tiny config."""
@@ -143,7 +162,7 @@ def sandbox(tmp_path_factory: pytest.TempPathFactory) -> Path:
         (root / "configs" / shipped.name).symlink_to(shipped)
     (root / "configs" / "default.yaml").unlink()
     (root / "configs" / "default.yaml").write_text(yaml.safe_dump(tiny_default_config()))
-    (root / "users.txt").write_text("".join(f"u{i}\n" for i in range(20)))
+    _ab_logs(root)
     with working_directory(root):
         code = cli.main(["nightly", "--config", "configs/default.yaml", "--date", SANDBOX_DATE])
     assert code == 0, "the sandbox's nightly failed (see the log above)"
