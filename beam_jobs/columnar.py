@@ -148,7 +148,7 @@ class SpillFiles:
 
     def close(self) -> list[tuple[int, Part]]:
         """Close every file; (shard, (rows, path)) for each."""
-        done = []
+        done: list[tuple[int, Part]] = []
         for shard, (writer, sink, rows) in sorted(self._open.items()):
             writer.close()
             sink.close()

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import apache_beam as beam
@@ -41,6 +41,7 @@ from apache_beam.runners.dask.dask_runner import DaskOptions, DaskRunner, DaskRu
 from apache_beam.runners.dask.overrides import _GroupByKeyOnly, dask_overrides
 from apache_beam.runners.dask.transform_evaluator import (
     TRANSLATIONS,
+    DaskBagOp,
     Flatten,
     NoOp,
     defenestrate,
@@ -80,7 +81,7 @@ class _Receivers(dict):
 class _Side:
     """What a side input's view needs besides its values (picklable, unlike the view)."""
 
-    view_type: type
+    view_type: Any  # a pvalue.AsSideInput subclass (SideInputMap takes the class)
     view_options: dict[str, Any]
     window_fn: Any
 
@@ -156,7 +157,7 @@ def _concat(partitions: list[list[Any]]) -> list[Any]:
     return [value for partition in partitions for value in partition]
 
 
-def _tagged(pair: tuple[str | None, Any], tag: str | None) -> bool:
+def _tagged(pair: tuple[str | None, Any], tag: str | int | None) -> bool:
     return pair[0] == tag
 
 
@@ -195,8 +196,9 @@ class _Visitor(PipelineVisitor):
             for pcoll in node.outputs.values():
                 self.bags[pcoll] = bag
             return
-        op = TRANSLATIONS.get(type(node.transform), NoOp)(node, bag_kwargs=self.bag_kwargs)
-        bag = op.apply(input_bag=inputs if isinstance(op, Flatten) else (inputs or [None])[0])
+        make: Callable[..., DaskBagOp] = TRANSLATIONS.get(type(node.transform), NoOp)
+        op = make(node, bag_kwargs=self.bag_kwargs)
+        bag = op.apply(input_bag=inputs if isinstance(op, Flatten) else next(iter(inputs), None))
         for pcoll in node.outputs.values():
             self.bags[pcoll] = bag
 
@@ -215,6 +217,7 @@ class _Visitor(PipelineVisitor):
         # args/kwargs with placeholders where the side inputs go (in node.side_inputs' order);
         # the stock runner passes raw_side_inputs, the view objects themselves.
         transform = node.transform
+        assert isinstance(transform, beam.ParDo)  # visit_transform sends ParDos only
         pardo = _Fn(transform.fn, transform.label, list(transform.args), transform.kwargs)
         return input_bag.map_partitions(_run_bundle, pardo, window_fn, sides, *values)
 

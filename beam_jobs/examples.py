@@ -19,7 +19,9 @@ tests/test_beam_encoding.py checks the bytes against `encode_example` for genera
 """
 
 from collections.abc import Callable, Mapping, Sequence
+from functools import partial
 from itertools import pairwise
+from typing import Any
 
 import numpy as np
 import pyarrow as pa
@@ -207,18 +209,15 @@ def encode_batch(
     for f in ordered:
         values = columns[f.name]
         if f.kind == "bytes":
-            values = as_binary(values)  # type: ignore[arg-type]
-            prefix = per_length(lengths_of(values), lambda n, name=f.name: _bytes_prefix(name, n))
+            values = as_binary(values)
+            prefix = per_length(lengths_of(values), partial(_bytes_prefix, f.name))
             chunks += [prefix, values]
         elif f.kind == "bytes_list":
-            values = as_binary(values)  # type: ignore[arg-type]
-            chunks += [
-                per_length(lengths_of(values), lambda n, name=f.name: _bytes_list_prefix(name, n)),
-                values,
-            ]
+            values = as_binary(values)
+            chunks += [per_length(lengths_of(values), partial(_bytes_list_prefix, f.name)), values]
         elif f.kind in ("int64", "int64_list"):
-            packed = varints(np.asarray(values)) if f.kind == "int64" else as_binary(values)  # type: ignore[arg-type]
-            prefix = per_length(lengths_of(packed), lambda n, name=f.name: _int64_prefix(name, n))
+            packed = varints(np.asarray(values)) if f.kind == "int64" else as_binary(values)
+            prefix = per_length(lengths_of(packed), partial(_int64_prefix, f.name))
             chunks += [prefix, packed]
         else:
             with np.errstate(over="ignore"):  # beyond float32: inf, as protobuf does
@@ -250,7 +249,7 @@ def frame_records(records: pa.Array) -> memoryview:
         return memoryview(b"")
     offsets = np.frombuffer(records.buffers()[1], dtype=np.int64)[records.offset :][: n + 1]
     # google_crc32c takes bytes only (not memoryviews): slicing bytes copies ~200 B per row.
-    data = records.buffers()[2].to_pybytes()  # type: ignore[union-attr]
+    data = records.buffers()[2].to_pybytes()
     bounds = offsets.tolist()
     # The only per-row Python call left: one CRC32C of each record's bytes (in C).
     crcs = np.fromiter((_crc32c(data[a:b]) for a, b in pairwise(bounds)), np.uint32, n)
@@ -259,14 +258,14 @@ def frame_records(records: pa.Array) -> memoryview:
     framed = join(headers, records, fixed_width(footers))
     framed_offsets = np.frombuffer(framed.buffers()[1], dtype=np.int64)[framed.offset :]
     start, stop = int(framed_offsets[0]), int(framed_offsets[n])
-    return memoryview(framed.buffers()[2])[start:stop]  # type: ignore[index]
+    return memoryview(framed.buffers()[2])[start:stop]
 
 
 def encode_rows(rows: Sequence[Mapping[str, object]]) -> list[bytes]:
     """Per-row dicts (as for encode_example) -> serialised Examples; a convenience for tests."""
     columns: dict[str, pa.Array | np.ndarray] = {}
     for f in FEATURES:
-        values = [row.get(f.name, f.default) for row in rows]
+        values: list[Any] = [row.get(f.name, f.default) for row in rows]
         if f.kind == "bytes":
             columns[f.name] = pa.array(
                 [v.encode("utf-8") if isinstance(v, str) else v for v in values], BINARY
@@ -284,5 +283,5 @@ def encode_rows(rows: Sequence[Mapping[str, object]]) -> list[bytes]:
     return encode_batch(columns).to_pylist()
 
 
-def _utf8(value: object) -> bytes:
-    return value.encode("utf-8") if isinstance(value, str) else bytes(value)  # type: ignore[arg-type]
+def _utf8(value: str | bytes) -> bytes:
+    return value.encode("utf-8") if isinstance(value, str) else bytes(value)

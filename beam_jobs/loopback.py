@@ -2,7 +2,7 @@
 
 With `--direct_running_mode=multi_processing` the FnApiRunner starts control, data, state and
 logging gRPC servers for its worker processes with `add_insecure_port('[::]:0')`: ports on
-every interface, without authentication, for as long as the job runs (GOTCHAS). Its workers
+every interface, without authentication, for as long as the job runs. Its workers
 only ever connect to `localhost`, so while the local runner runs, servers created through
 `grpc.server` (public grpcio API) bind `localhost` instead of the wildcard address.
 tests/test_sockets.py reads the listening sockets of a running job: if a Beam upgrade binds
@@ -34,7 +34,7 @@ def loopback_grpc_servers() -> Iterator[None]:
     def server(*args: Any, **kwargs: Any) -> grpc.Server:
         created = original(*args, **kwargs)
         add = created.add_insecure_port
-        created.add_insecure_port = lambda address: add(loopback_address(address))  # type: ignore[method-assign]
+        created.add_insecure_port = lambda address: add(loopback_address(address))
         return created
 
     grpc.server = server

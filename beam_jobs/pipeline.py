@@ -107,7 +107,8 @@ def build_pipeline(
     )
     _ = rejected | "WriteRejected" >> WriteRejected(out, pp.num_shards)
     users_side = user_source(config.data, paths)
-    user_features, user_names = None, ()
+    user_features: beam.PCollection | None = None
+    user_names: tuple[str, ...] = ()
     if users_side is not None:
         user_names = feature_names(users_side)
         user_features = p | "ReadUsers" >> ReadUsers(users_side, user_names)
@@ -151,6 +152,14 @@ def _fill_raw(element: tuple[str, Iterable[Rejection]], spec: ReadSpec) -> Itera
         yield {**record, "raw": raws.get(record["row"], "")}
 
 
+class _NeedsRaw(beam.PartitionFn):
+    """Partition 1: rejections whose raw text is still to be read from the input file."""
+
+    def partition_for(self, element: Any, num_partitions: int, *args: Any, **kwargs: Any) -> int:
+        """1 when the rejection carries no raw text yet, else 0."""
+        return int(element["raw"] is None)
+
+
 class FillRaw(beam.PTransform):
     """Rejections -> the same, with the raw content of columnar rows read back from their file.
 
@@ -164,9 +173,7 @@ class FillRaw(beam.PTransform):
 
     @no_annotations  # Beam only understands PCollection-typed expand hints
     def expand(self, rejected: beam.PCollection) -> beam.PCollection:
-        complete, partial = rejected | "NeedsRaw" >> beam.Partition(
-            lambda record, _: int(record["raw"] is None), 2
-        )
+        complete, partial = rejected | "NeedsRaw" >> beam.Partition(_NeedsRaw(), 2)
         filled = (
             partial
             | "ByFile" >> beam.Map(lambda record: (record["file"], record))

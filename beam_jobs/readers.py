@@ -8,10 +8,10 @@ numbers for Parquet.
 
 import csv
 import json
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Generator, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from operator import itemgetter
-from typing import Any, BinaryIO, Literal
+from typing import Any, BinaryIO, Literal, TypeAlias
 
 import apache_beam as beam
 import numpy as np
@@ -288,6 +288,7 @@ def _line_rows(
             continue
         lines.data += 1
         if fields is None:
+            assert reason is not None  # split_line gives a reason with every None
             yield rejection(path, line_no, None, reason, text)
             continue
         if table is None:
@@ -471,7 +472,7 @@ def _jsonl_rows(
         if spec.weight_required and spec.weight not in record:
             yield rejection(path, line_no, WEIGHT, MISSING_FIELD, raw)
             continue
-        values = tuple(record.get(key) for key in keys)
+        values: tuple[Any, ...] = tuple(record.get(key) for key in keys)
         nested = next((i for i, v in enumerate(values) if isinstance(v, dict | list)), None)
         if nested is not None:
             # An object or array is no id, time or weight (and its text would make a bogus id).
@@ -500,7 +501,7 @@ TEXT_BATCH_ROWS = 64 * 1024
 # A clean id: printable ASCII, no surrounding space (parse_id would return it unchanged).
 _CLEAN_ID = r"^[!-~](?:[ -~]*[!-~])?$"
 _SECONDS_PER = {"s": 1, "ms": 1000, "us": 1_000_000, "ns": 1_000_000_000}
-Output = Rejection | pa.RecordBatch
+Output: TypeAlias = Rejection | pa.RecordBatch
 
 
 @dataclass(frozen=True)
@@ -778,7 +779,9 @@ class _ReadAndValidate(beam.DoFn):
         yield beam.pvalue.TaggedOutput(TIME_RANGE, (low, high))
 
 
-def _known_items_only(path: str, batch: pa.RecordBatch, known: pa.Array) -> Iterator[Any]:
+def _known_items_only(
+    path: str, batch: pa.RecordBatch, known: pa.Array
+) -> Generator[Any, None, pa.RecordBatch]:
     """Reject (as a tagged output) the rows whose item is not in `known`; return the rest."""
     keep = pc.is_in(batch.column(col.ITEM), value_set=known).to_numpy(zero_copy_only=False)
     if keep.all():

@@ -446,6 +446,16 @@ class _SplitAndWriteShard(beam.DoFn):
             yield beam.pvalue.TaggedOutput(COUNTS, (SEQUENCE_LENGTH_KEY + bucket, users))
 
 
+@dataclass(frozen=True)
+class _Outputs:
+    """The same attributes as the DoOutputsTuple of the one-pass case."""
+
+    rejected: beam.PCollection
+    counts: beam.PCollection
+    users: beam.PCollection
+    items: beam.PCollection
+
+
 class SplitAndWrite(beam.PTransform):
     """(shard, (rows, IPC bytes or spill file)) -> `<split>-SSSSS-of-NNNNN.tfrecord.gz` files
     and `sequences-SSSSS-of-NNNNN.tfrecord.gz` (one record per user, recsys.core.schema).
@@ -476,7 +486,7 @@ class SplitAndWrite(beam.PTransform):
         self._spill = spill_dir
 
     @no_annotations  # Beam only understands PCollection-typed expand hints
-    def expand(self, batches: beam.PCollection) -> beam.pvalue.DoOutputsTuple:
+    def expand(self, batches: beam.PCollection) -> beam.pvalue.DoOutputsTuple | _Outputs:
         n = self._shards
         markers = batches.pipeline | "ShardMarkers" >> beam.Create([(i, None) for i in range(n)])
         grouped = (
@@ -503,13 +513,3 @@ class SplitAndWrite(beam.PTransform):
         ).with_outputs(REJECTED, COUNTS, USERS, ITEMS)
         rejected = (first[REJECTED], out[REJECTED]) | "AllSplitRejected" >> beam.Flatten()
         return _Outputs(rejected, out[COUNTS], out[USERS], out[ITEMS])
-
-
-@dataclass(frozen=True)
-class _Outputs:
-    """The same attributes as the DoOutputsTuple of the one-pass case."""
-
-    rejected: beam.PCollection
-    counts: beam.PCollection
-    users: beam.PCollection
-    items: beam.PCollection

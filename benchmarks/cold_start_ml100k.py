@@ -18,7 +18,7 @@ Protocol (everything computed here, per seed; the means over seeds are reported)
    peeks at the test ratings, shown as a ceiling for non-personalised ranking), and random.
 
 Usage:
-    .venv/bin/python benchmarks/cold_start_ml100k.py --data ../shared/data/ml-100k \
+    .venv/bin/python benchmarks/cold_start_ml100k.py --data datasets/ml-100k \
         --out benchmarks/results/cold_start_ml100k.json
 """
 
@@ -196,7 +196,7 @@ def run(args: argparse.Namespace, seed: int) -> dict[str, Any]:
 def main() -> int:
     """Run the protocol for each seed and print/write the per-seed results and their means."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--data", default=str(REPO.parent / "shared/data/ml-100k"))
+    parser.add_argument("--data", default=str(REPO / "datasets/ml-100k"))
     parser.add_argument("--config", default=str(REPO / "configs/movielens-100k.yaml"))
     parser.add_argument("--out", default=str(REPO / "benchmarks/results/cold_start_ml100k.json"))
     parser.add_argument("--fraction", type=float, default=0.1)

@@ -3,8 +3,8 @@
     .venv/bin/python benchmarks/csv_reader.py --rows 500000 --repeats 3
 
 `beam_jobs.readers.read_batches` on one file, in-process (no Beam), best of `--repeats` runs.
-Run it from two checkouts (before/after a change) back to back: the line-oriented reader of
-issue 12 against the csv.reader-over-a-line-feed one it replaced (docs/BENCHMARKS.md).
+Run it from two checkouts (before/after a change) back to back: the line-oriented reader
+against the csv.reader-over-a-line-feed one it replaced (docs/BENCHMARKS.md).
 """
 
 from __future__ import annotations

@@ -1,8 +1,8 @@
-"""The evaluation protocol of ../shared/DESIGN.md, computed from the raw log by the benchmark.
+"""The evaluation protocol (docs/PROTOCOL.md), computed from the raw log by the benchmark.
 
 Per user, events sort by (timestamp, item id) with NUMERIC item ids when every id is an
 integer (ML-100K has many same-second events: string order would make "98" sort after "1000"
-and pick other test items, ../shared/GOTCHAS.md). Of every user with at least
+and pick other test items). Of every user with at least
 `min_interactions` events, the last is the test item and the one before it the validation
 item; everything else is training. The catalog is every item of a non-test row; a test item
 outside it is a miss. Scoring ranks the whole catalog with the user's non-test items removed
@@ -21,8 +21,8 @@ import pyarrow.csv as pcsv
 
 from recsys import evaluation as ev
 
-SHARED = Path(__file__).resolve().parent.parent.parent / "shared" / "data"
-NAMED = {"ml-100k": SHARED / "ml-100k", "amazon-beauty": SHARED / "amazon-beauty"}
+DATASETS = Path(__file__).resolve().parent.parent / "datasets"  # datasets/README.md
+NAMED = {"ml-100k": DATASETS / "ml-100k", "amazon-beauty": DATASETS / "amazon-beauty"}
 _USER = ("user_id", "userId", "user")
 _ITEM = ("item_id", "movieId", "itemId", "item")
 _TIME = ("timestamp", "time", "ts")
@@ -40,7 +40,7 @@ class Log:
 
 
 def read_log(data: str) -> Log:
-    """`ml-100k`, `amazon-beauty` (../shared/data) or a path: u.data, or a CSV with a header."""
+    """`ml-100k`, `amazon-beauty` (under datasets/) or a path: u.data, or a CSV with a header."""
     path = NAMED.get(data, Path(data))
     if path.is_dir():
         path = path / "u.data" if (path / "u.data").is_file() else path / "ratings.csv"

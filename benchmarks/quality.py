@@ -1,6 +1,6 @@
-"""Model quality on any interaction log, under the protocol of ../shared/DESIGN.md.
+"""Model quality on any interaction log, under the evaluation protocol (docs/PROTOCOL.md).
 
-For one or more datasets (`ml-100k`, `amazon-beauty` from ../shared/data, or a CSV path with
+For one or more datasets (`ml-100k`, `amazon-beauty` from datasets/, or a CSV path with
 user/item/timestamp columns) the log is split by `benchmarks.protocol` (leave-last-out by
 (timestamp, numeric item id)), and every model ranks the whole catalog for every test user
 with the user's non-test items removed:

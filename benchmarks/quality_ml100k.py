@@ -2,7 +2,7 @@
 
 Kept for its speed measurements. Its quality rows use the Beam job's split, whose ties in a
 user's last second break by item id as a STRING ("98" after "1000"), not the numeric order of
-../shared/DESIGN.md: every model scores higher there (../shared/GOTCHAS.md). Quality under the
+the evaluation protocol (docs/PROTOCOL.md): every model scores higher there. Quality under the
 protocol, on any dataset and over seeds, is `benchmarks/quality.py`.
 
 Under one split (docs/ARCHITECTURE.md: leave-last-out, train+validation items removed,
@@ -22,7 +22,7 @@ rounds (a, b, c, a, b, c, ...) and the medians and per-round ratios are reported
 load average seen during the run.
 
 Usage:
-    .venv/bin/python benchmarks/quality_ml100k.py --data ../shared/data/ml-100k \
+    .venv/bin/python benchmarks/quality_ml100k.py --data datasets/ml-100k \
         --out benchmarks/results/quality_ml100k.json
 """
 
@@ -391,7 +391,7 @@ def run_eval_speed(s: Splits, tutorial: TutorialModel, rounds: int) -> dict[str,
 def main() -> int:
     """Run everything and print/write the results."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--data", default=str(REPO.parent / "shared/data/ml-100k"))
+    parser.add_argument("--data", default=str(REPO / "datasets/ml-100k"))
     parser.add_argument("--config", default=str(REPO / "configs/movielens-100k.yaml"))
     parser.add_argument("--out", default=str(REPO / "benchmarks/results/quality_ml100k.json"))
     parser.add_argument("--rounds", type=int, default=3, help="interleaved speed rounds")

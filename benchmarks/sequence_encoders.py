@@ -7,7 +7,7 @@ scored) and reports, on the VALIDATION split (each user's item before the test i
 items removed, exact ranking over the catalog), Recall@10/50 and NDCG@10 of the weights kept,
 with the cost: wall seconds per epoch (training steps only) and examples/s. With `--test`, the
 named variants and EASE / ALS (tuned on validation, benchmarks/quality_ml100k.py) are also
-scored on the test split, the protocol of docs/ARCHITECTURE.md.
+scored on the test split, the protocol of docs/PROTOCOL.md.
 
 Usage (one variant per `name=key:value,...`, keys `model.x` / `training.x`):
     .venv/bin/python benchmarks/sequence_encoders.py --data-dir WORK/data/DATE \

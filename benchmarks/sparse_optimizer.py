@@ -9,7 +9,7 @@ path). Median ms/step over the timed steps of each run; runs are interleaved ove
 `--rounds` rounds (size x optimizer in one order per round) on the same machine.
 
 Part `quality`: the real nightly stages (Beam preprocess -> trainer -> exact evaluation,
-the DESIGN.md protocol: leave-last-out, train(+validation) items removed, full catalog,
+the protocol of docs/PROTOCOL.md: leave-last-out, train(+validation) items removed, full catalog,
 ties by catalog order) with `training.optimizer` adam vs lazy_adam, everything else from
 the dataset's config, over `--seeds`: validation R@10 / NDCG@10 (where settings are
 chosen) and test R@10 / NDCG@10, on MovieLens 100K and on the embedded synthetic log.

@@ -1,7 +1,7 @@
 """Exact numpy top-K: recsys.topk.ExactNumpyTopK vs the whole-row argpartition it replaced.
 
-The reference is serving_export/ann.py's `exact_top_k` before issue 15 (argpartition of every
-whole score row, then a stable sort of the k): both return identical ids (checked). Queries
+The reference is serving_export/ann.py's former `exact_top_k` (argpartition of every whole
+score row, then a stable sort of the k): both return identical ids (checked). Queries
 and items are random normal float32 vectors; best of two interleaved rounds each.
 
 Usage:

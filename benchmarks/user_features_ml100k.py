@@ -1,13 +1,13 @@
 """Do user side features help on MovieLens 100K? The default config with and without them.
 
-Protocol (docs/ARCHITECTURE.md, as benchmarks/quality_ml100k.py): our Beam job's leave-last-out
+Protocol (docs/PROTOCOL.md, as benchmarks/quality_ml100k.py): our Beam job's leave-last-out
 split of `u.data` (with `u.user` joined into user_features.parquet: age, gender, occupation,
 zip code), the test item ranked exactly against the whole catalog with train and validation
 items removed. For each seed, `configs/movielens-100k.yaml` is trained with
 `model.user_features` false and true; popularity is the baseline of the same evaluation.
 
 Usage:
-    .venv/bin/python benchmarks/user_features_ml100k.py --data ../shared/data/ml-100k \
+    .venv/bin/python benchmarks/user_features_ml100k.py --data datasets/ml-100k \
         --out benchmarks/results/user_features_ml100k.json
 """
 
@@ -41,7 +41,7 @@ REPORTED = ("recall_at_10", "recall_at_50", "ndcg_at_10")
 def main() -> int:
     """Train both variants per seed; print and write the test metrics and their means."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--data", default=str(REPO.parent / "shared/data/ml-100k"))
+    parser.add_argument("--data", default=str(REPO / "datasets/ml-100k"))
     parser.add_argument("--config", default=str(REPO / "configs/movielens-100k.yaml"))
     parser.add_argument("--out", default=str(REPO / "benchmarks/results/user_features_ml100k.json"))
     parser.add_argument("--seeds", type=int, nargs="+", default=[42, 1, 2])

@@ -14,13 +14,21 @@ import yaml
 
 from conductor import stages
 from conductor.lock import WorkdirLock
-from conductor.nightly import backfill, run_nightly
+from conductor.nightly import NightlyResult, backfill, run_nightly
+from conductor.promotion import PublishResult
 from recsys import tuning
 from recsys.ab import workflow as ab_workflow
 from recsys.ab.planning import format_plan, plan
 from recsys.core.config import REPO_CONFIGS, RecsysConfig
 from recsys.core.errors import ConfigError
-from recsys.core.layout import SUCCESS, DataFile, RunFile, clean_temporaries, parse_date
+from recsys.core.layout import (
+    SUCCESS,
+    DataFile,
+    RunFile,
+    Workdir,
+    clean_temporaries,
+    parse_date,
+)
 from recsys.tracking.compare import compare, format_table
 from recsys.tracking.runs import record_ab_metric
 from recsys.training.trainer import is_chief
@@ -53,7 +61,9 @@ def _non_chief_worker() -> bool:
     return not is_chief()
 
 
-def _run_stage(args: argparse.Namespace, config: Any, workdir: Any, date: Any) -> int:
+def _run_stage(
+    args: argparse.Namespace, config: RecsysConfig, workdir: Workdir, date: dt.date
+) -> int:
     if args.command == "preprocess":
         out, stats = stages.preprocess(
             config, workdir, date, args.input, Path(args.output) if args.output else None
@@ -76,7 +86,7 @@ def _run_stage(args: argparse.Namespace, config: Any, workdir: Any, date: Any) -
         exported = stages.export(config, workdir, date, args.run_id, args.verify)
         _print_export(exported)
     elif args.command == "nightly":
-        result = run_nightly(
+        night = run_nightly(
             config,
             workdir,
             date,
@@ -84,7 +94,7 @@ def _run_stage(args: argparse.Namespace, config: Any, workdir: Any, date: Any) -
             force_promote=args.force_promote,
             rerun_from=args.rerun_from,
         )
-        _print_nightly(result)
+        _print_nightly(night)
     elif args.command == "tune":
         _tune(args, config, workdir, date)
     elif args.command == "backfill":
@@ -124,7 +134,7 @@ def _run_stage(args: argparse.Namespace, config: Any, workdir: Any, date: Any) -
     return 0
 
 
-def _tune(args: argparse.Namespace, config: Any, workdir: Any, date: Any) -> None:
+def _tune(args: argparse.Namespace, config: RecsysConfig, workdir: Workdir, date: dt.date) -> None:
     if args.trials is not None and args.trials < 1:
         raise ConfigError(f"--trials must be at least 1, got {args.trials}")
     if args.timeout is not None and not args.timeout > 0:
@@ -158,7 +168,7 @@ def _tune(args: argparse.Namespace, config: Any, workdir: Any, date: Any) -> Non
     print(f"config:      {result.output}")
 
 
-def _ab(args: argparse.Namespace, config: Any, workdir: Any) -> None:
+def _ab(args: argparse.Namespace, config: RecsysConfig, workdir: Workdir) -> None:
     if args.ab_command == "plan":
         plans = plan(Path(args.events), rel_effect=args.effect, share_t=args.share,
                      alpha=args.alpha, power=args.power)  # fmt: skip
@@ -194,14 +204,14 @@ def _ab(args: argparse.Namespace, config: Any, workdir: Any) -> None:
     print(ab_workflow.format_report(result))
 
 
-def _embeddings(args: argparse.Namespace, workdir: Any) -> None:
+def _embeddings(args: argparse.Namespace, workdir: Workdir) -> None:
     default = workdir.root / "embeddings-export" / f"{args.version}-{args.format}"
     output = Path(args.output) if args.output else default
     for path in export_embeddings(workdir.embeddings(args.version), args.format, output):
         print(f"wrote:       {path}")
 
 
-def _compare(args: argparse.Namespace, config: Any, workdir: Any) -> None:
+def _compare(args: argparse.Namespace, config: RecsysConfig, workdir: Workdir) -> None:
     stamp = f"{dt.datetime.now(dt.UTC):%Y%m%dT%H%M%SZ}"
     output = Path(args.output) if args.output else workdir.root / "comparisons" / stamp
     result = compare(config, workdir.root, args.refs, output, log_to_mlflow=not args.no_log)
@@ -214,7 +224,7 @@ def _compare(args: argparse.Namespace, config: Any, workdir: Any) -> None:
         print(f"mlflow run (comparisons experiment): {result.mlflow_run_id}")
 
 
-def _print_nightly(result: Any) -> None:
+def _print_nightly(result: NightlyResult) -> None:
     if result.already_done:
         print(f"nightly {result.date}: already done, nothing to do (run {result.run_dir})")
     _print_stats(result.data_dir, _read_stats(result.data_dir))
@@ -242,7 +252,7 @@ def _print_nightly(result: Any) -> None:
         print(f"summary:     {result.summary_path}")
 
 
-def _print_published(published: Any) -> None:
+def _print_published(published: PublishResult | None) -> None:
     if published is None:
         return
     decision = published.decision
@@ -275,7 +285,7 @@ def _print_stats(out: Path, stats: dict[str, Any]) -> None:
     )
 
 
-def _print_export(exported: Any) -> None:
+def _print_export(exported: stages.ExportResult) -> None:
     for name, path in exported.models.items():
         print(f"savedmodel:  {name} -> {path}")
     for name, path in exported.embeddings.items():

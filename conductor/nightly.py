@@ -390,7 +390,7 @@ def _record_champion(config: RecsysConfig, workdir: Workdir) -> None:
     """
     client = connect(config, workdir.root)
     champion = registry.alias_version(client, config.model_name, registry.CHAMPION)
-    if champion is None:
+    if champion is None or champion.run_id is None:
         return
     tags = client.get_run(champion.run_id).data.tags
     record = {
@@ -498,7 +498,7 @@ def _metrics_table(run_dir: Path, metrics: dict[str, float]) -> list[str]:
     baselines = report.get("baselines", {})
     users = int(metrics.get("eval_users", 0))
     lines = [
-        f"## Test metrics ({users} users; {report.get('protocol', 'see docs/ARCHITECTURE.md')})",
+        f"## Test metrics ({users} users; {report.get('protocol', 'see docs/PROTOCOL.md')})",
         "",
         "| metric | model | " + " | ".join(baselines) + " |",
         "|---|---|" + "---|" * len(baselines),

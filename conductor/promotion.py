@@ -224,7 +224,8 @@ def _route_serving(client: MlflowClient, config: RecsysConfig, workdir: Workdir,
     labels = {}
     for alias in (registry.CHAMPION, registry.CHALLENGER):
         version = registry.alias_version(client, name, alias)
-        tag = client.get_run(version.run_id).data.tags.get("model_version") if version else None
+        run_id = version.run_id if version else None
+        tag = client.get_run(run_id).data.tags.get("model_version") if run_id else None
         if tag and tag.isdigit():
             labels[alias] = int(tag)
     path = set_version_labels(workdir.root / "export", labels, config.export.serving_base_path)
@@ -346,8 +347,8 @@ def _log_decision(
         # MLflow tag values are limited (8000 chars in SQL stores): keep the start.
         "gate.reasons": "; ".join(decision.reasons)[:4000],
     }
-    for key, value in tags.items():
-        client.set_tag(run_id, key, redact_text(value))
+    for tag, text in tags.items():
+        client.set_tag(run_id, tag, redact_text(text))
 
 
 def _recorded_decision(client: MlflowClient, run_id: str) -> gate.GateDecision | None:

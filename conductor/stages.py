@@ -48,6 +48,7 @@ from recsys.core.redact import redact_tree
 from recsys.model import TrainedModel
 from recsys.model_evaluation import evaluate_model
 from recsys.synthetic import items_path, write_csv, write_items_csv
+from recsys.training.result import TrainResult
 from recsys.training.trainer import IncrementalStart, is_chief, write_dir
 from recsys.training.trainer import train as fit
 from serving_export.activity import read_activity
@@ -71,7 +72,7 @@ REPORTED_METRICS = (
     "mrr_at_100",
     "coverage_at_10",
 )
-"""The metrics of the DESIGN.md protocol, in the order reports list them."""
+"""The metrics of the evaluation protocol (docs/PROTOCOL.md), in the order reports list them."""
 
 
 def resolve_input(
@@ -119,7 +120,7 @@ def train(
     data_dir: Path | None = None,
     run_dir: Path | None = None,
     callbacks: Sequence[Any] = (),
-) -> tuple[Path | None, Any]:
+) -> tuple[Path | None, TrainResult]:
     """Train on the date's data; the run folder gets the model, history and config.
 
     `run_dir` reuses a folder (the nightly's run for this date and config); by default a new
@@ -196,9 +197,10 @@ def train(
 def incremental_start(config: RecsysConfig, workdir: Workdir) -> IncrementalStart | None:
     """`training.mode: incremental`: the champion's served model and the newest second of the
     data it was trained on (None: full training, logged by the trainer)."""
-    if config.training.mode != "incremental" or not workdir.champion_file.is_file():
+    champion = workdir.champion_file()
+    if config.training.mode != "incremental" or not champion.is_file():
         return None
-    record = json.loads(workdir.champion_file.read_text())
+    record = json.loads(champion.read_text())
     model_dir = Path(record.get("run_dir") or "") / RunFile.MODEL
     stats = Path(record.get("data_dir") or "") / DataFile.STATS
     if not record.get("run_dir") or not model_dir.is_dir() or not stats.is_file():

@@ -228,7 +228,8 @@ def load_sequences(
     ds = tf.data.TFRecordDataset(files, compression_type="GZIP", num_parallel_reads=len(files))
     ds = ds.batch(batch_size).map(parse, num_parallel_calls=tf.data.AUTOTUNE)
     users: list[str] = []
-    lengths, parts = [], {name: [] for name in names[1:]}
+    lengths: list[np.ndarray] = []
+    parts: dict[str, list[np.ndarray]] = {name: [] for name in names[1:]}
     for batch in ds.prefetch(2):
         users.extend(u.decode("utf-8") for u in batch[schema.USER_ID].numpy().tolist())
         lengths.append(batch[schema.ITEM_IDS].row_lengths().numpy())
@@ -237,7 +238,7 @@ def load_sequences(
     offsets = np.zeros(len(users) + 1, np.int64)
     if lengths:
         np.cumsum(np.concatenate(lengths), out=offsets[1:])
-    flat = {
+    flat: dict[str, np.ndarray] = {
         name: np.concatenate(chunks) if chunks else np.zeros(0, np.int64)
         for name, chunks in parts.items()
     }

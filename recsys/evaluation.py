@@ -1,4 +1,4 @@
-"""Exact top-K evaluation over the whole catalog (the protocol of docs/ARCHITECTURE.md).
+"""Exact top-K evaluation over the whole catalog (the protocol of docs/PROTOCOL.md).
 
 For each evaluation user with one held-out target item, every catalog item is scored, the
 user's known items (training, plus validation when testing) are removed, and the target's

@@ -32,7 +32,7 @@ def evaluate_model(
     # The test split streams: with a sample only the sampled rows (and their histories) are
     # kept; without one each batch's query vectors are computed and its histories dropped,
     # in batches of the size user_embeddings uses, so the vectors are the same either way.
-    population = count_rows(data_dir, "test") if sample else None
+    population = count_rows(data_dir, "test") if sample else 0
     chosen = (
         ev.sample_indices(population, sample, config.evaluation.sample_seed) if sample else None
     )

@@ -130,10 +130,12 @@ def suggest(trial: optuna.Trial, space: dict[str, SearchDimension]) -> dict[str,
         if d.choices is not None:
             params[key] = trial.suggest_categorical(key, d.choices)
         elif d.is_int:
+            low, high = d.bounds
             step = int(d.step or 1)
-            params[key] = trial.suggest_int(key, int(d.low), int(d.high), step=step, log=d.log)
+            params[key] = trial.suggest_int(key, int(low), int(high), step=step, log=d.log)
         else:
-            params[key] = trial.suggest_float(key, d.low, d.high, step=d.step, log=d.log)
+            low, high = d.bounds
+            params[key] = trial.suggest_float(key, low, high, step=d.step, log=d.log)
     return params
 
 
@@ -290,6 +292,7 @@ def _enqueue_baseline(
     parent: str,
 ) -> str | None:
     """Make trial 0 the base config's settings; None, or why there is no such trial."""
+    reason: str | None
     if not config.tune.baseline:
         reason = "tune.baseline is false"
     else:
@@ -443,7 +446,7 @@ def _finish(
     # The baseline won: the base settings as written (an `auto` stays auto), not as resolved.
     write_config(config, {} if best_is_base else best.params, output, base_yaml, header)
     now = int(time.time() * 1000)
-    metrics = [Metric(f"best_validation_{metric}", best.value, now, 0)]
+    metrics = [Metric(f"best_validation_{metric}", study.best_value, now, 0)]
     metrics += [Metric(f"trials_{k}", float(v), now, 0) for k, v in states.items()]
     if baseline is not None:
         metrics.append(Metric(f"baseline_validation_{metric}", baseline, now, 0))
@@ -456,7 +459,7 @@ def _finish(
         client.set_tag(parent, "best_trial_run_id", best.user_attrs.get("mlflow_run_id", ""))
         tracking.log_file_redacted(client, parent, output)
     return TuneResult(
-        parent, experiment, best_params, best.value, best.number, output, states,
+        parent, experiment, best_params, study.best_value, best.number, output, states,
         baseline_value=baseline, best_is_baseline=best_is_base,
     )  # fmt: skip
 

@@ -5,7 +5,7 @@ the same similarity: METRIC_INNER_PRODUCT (= cosine here). IVF-Flat keeps exact 
 scores, and only approximates which cells are searched, so its one knob is nprobe. Recall@K
 against exact brute force is measured on query vectors (users.parquet: the real query
 distribution) and recorded in the manifest; brute force stays the default (`export.ann`).
-ScaNN is not used: it breaks TensorFlow Recommenders on TF 2.21 (GOTCHAS.md).
+ScaNN is not used: installing it on TF 2.21 breaks `import tensorflow_recommenders`.
 """
 
 from __future__ import annotations

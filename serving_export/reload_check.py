@@ -102,7 +102,7 @@ def main(argv: list[str]) -> int:
     report["project_modules_loaded"] = sorted(
         m for m in sys.modules if m.split(".")[0] in ("recsys", "serving_export")
     )
-    np.savez(request["outputs"], **arrays)
+    np.savez(request["outputs"], allow_pickle=False, **arrays)
     Path(request["report"]).write_text(json.dumps(report, indent=2), encoding="utf-8")
     return 0
 

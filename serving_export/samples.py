@@ -65,7 +65,8 @@ def sample_items(model: TrainedModel) -> ItemRequests:
     ids = _spread(model.items) + [i for i in UNKNOWN_ITEM_IDS if i not in vocab]
     position = {item: i for i, item in enumerate(model.items)}
     catalog = max(len(model.items), 1)
-    genres, titles = [], []
+    genres: list[list[str]] = []
+    titles: list[str] = []
     for row, item in enumerate(ids):
         variant = row % 4
         source = position.get(item, row % catalog)  # unknown ids borrow an item's features

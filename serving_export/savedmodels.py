@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import tempfile
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -163,6 +164,11 @@ class QueryModule(tf.Module):
         return {EMBEDDING: self.query_tower(inputs)}
 
 
+def _token_index(lookup: tf.keras.layers.StringLookup, tokens: tf.Tensor) -> tf.Tensor:
+    """A token's index in the trained table (-1 when unknown: the lookup's one OOV slot)."""
+    return lookup(tokens) - 1
+
+
 class ItemInputs(tf.Module):
     """Raw item ids, genre lists and titles -> candidate tower inputs, tokenised in the graph.
 
@@ -191,7 +197,7 @@ class ItemInputs(tf.Module):
         for name, lookup in self.token_lookups.items():
             tokens = GRAPH_TOKENIZERS[name](raw[name])
             table = self.catalog_tokens[name]
-            ids = graph_token_matrix(tokens, lambda t, lookup=lookup: lookup(t) - 1, table.shape[1])
+            ids = graph_token_matrix(tokens, partial(_token_index, lookup), table.shape[1])
             has_tokens = tokens.row_lengths()[:, None] > 0
             inputs[feature_index(name)] = tf.where(has_tokens, ids, tf.gather(table, index))
         return inputs

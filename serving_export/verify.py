@@ -73,7 +73,8 @@ def verify_export(
     unknown_names = sorted(set(exported) - set(MODEL_NAMES))
     if not exported or unknown_names:
         raise ValueError(f"exported must map some of {MODEL_NAMES} to dirs, got {sorted(exported)}")
-    exported = {name: Path(path) for name, path in exported.items()}
+    # Absolute: the fresh process and saved_model_cli run from a scratch folder of their own.
+    exported = {name: Path(path).resolve() for name, path in exported.items()}
     user_ids = sample_users(model, sample_user_ids)
     histories = sample_histories(model, len(user_ids))
     item_requests = samples.sample_items(model)
@@ -333,7 +334,7 @@ def _reload_in_fresh_process(
     exported: dict[str, Path], calls: list[dict[str, Any]], tmp: Path
 ) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
     """Run reload_check.py in a new interpreter; return its report and output arrays."""
-    request = {
+    request: dict[str, Any] = {
         "models": {name: str(path) for name, path in exported.items()},
         "calls": calls,
         "outputs": str(tmp / "outputs.npz"),

@@ -19,7 +19,17 @@ from recsys.synthetic import write_csv
 from tests.mlflow_server import MlflowServer, mlflow_server
 
 REPO = Path(__file__).resolve().parent.parent
-ML100K = Path(os.environ.get("RECSYS_ML100K", REPO.parent / "shared" / "data" / "ml-100k"))
+
+
+def _ml100k_folder() -> Path:
+    """$RECSYS_ML100K, else the repository's datasets/ml-100k, else the CI machine's copy."""
+    if os.environ.get("RECSYS_ML100K"):
+        return Path(os.environ["RECSYS_ML100K"])
+    local = REPO / "datasets" / "ml-100k"
+    return local if (local / "u.data").is_file() else REPO.parent / "shared" / "data" / "ml-100k"
+
+
+ML100K = _ml100k_folder()
 
 SMALL = {
     "model_name": "test-model",
@@ -57,7 +67,7 @@ def small_csv(tmp_path: Path, small_config: RecsysConfig) -> Path:
 def ml100k() -> Path:
     """The MovieLens 100K folder, or a skip naming where it was looked for."""
     if not (ML100K / "u.data").is_file():
-        pytest.skip(f"MovieLens 100K not found at {ML100K} (set RECSYS_ML100K to its folder)")
+        pytest.skip(f"MovieLens 100K not found at {ML100K} (datasets/README.md, or RECSYS_ML100K)")
     return ML100K
 
 

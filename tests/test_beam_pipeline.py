@@ -57,7 +57,7 @@ def read_csv_rows(path: Path) -> list[Row]:
 
 
 def expected_splits(rows: list[Row], min_interactions: int) -> dict[str, set[Row]]:
-    """DESIGN.md's protocol, written independently: per user sort by (time, item); last out."""
+    """The protocol (docs/PROTOCOL.md), written independently: per user sort by (time, item)."""
     by_user: dict[str, list[Row]] = defaultdict(list)
     for row in rows:
         by_user[row[0]].append(row)

@@ -1,4 +1,4 @@
-"""Security checks of issue 7 (docs/OPERATIONS.md, Security), against a real `mlflow server`.
+"""Security checks (docs/OPERATIONS.md, Security), against a real `mlflow server`.
 
 - the tracking server listens on loopback only unless configured;
 - no credential reaches MLflow params, tags, artifacts, the registry or the CLI's output;

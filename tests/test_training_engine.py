@@ -769,7 +769,7 @@ def test_models_saved_by_the_first_ids_only_version_still_load(
     )
     if source.returncode != 0:
         pytest.skip("the first model version is not in this checkout's git history")
-    # The old module's own imports follow the package move (issue 15); its code is unchanged.
+    # The old module's own imports follow the move into recsys.core; its code is unchanged.
     old_source = source.stdout.replace("from recsys.config ", "from recsys.core.config ")
     old_source = old_source.replace("from recsys.errors ", "from recsys.core.errors ")
     (tmp_path / "old_model.py").write_text(old_source)

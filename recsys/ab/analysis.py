@@ -147,11 +147,11 @@ def analyze(table: UserTable, definition: ExperimentDefinition) -> Analysis:
     shares = {v: definition.shares()[v] for v in (control, treatment)}
     srm_p = stats.srm_p_value(np.array(list(users.values())), np.array(list(shares.values())))
     first = definition.start or table.days[0]
-    days = (table.days[-1] - first).days + 1
+    duration = (table.days[-1] - first).days + 1
     notes = list(table.notes) + ([] if cuped else ["no pre-period data: CUPED not applied"])
-    decision = decide(metrics, primary, definition, srm_p, users, days)
+    decision = decide(metrics, primary, definition, srm_p, users, duration)
     return Analysis(
-        definition.name, control, treatment, primary, users, shares, srm_p, days,
+        definition.name, control, treatment, primary, users, shares, srm_p, duration,
         first.isoformat(), table.days[-1].isoformat(), metrics, decision, notes,
     )  # fmt: skip
 

@@ -47,11 +47,11 @@ def plan(
     plans = []
     for name, (num, den) in metric_columns(outcomes).items():
         value, var = stats.value_and_variance(moments, index[num], index[den] if den else None)
-        mean, var = float(value), float(var)
-        needed = stats.users_needed(var, rel_effect * mean, share_t=share_t, alpha=alpha,
+        mean, variance = float(value), float(var)
+        needed = stats.users_needed(variance, rel_effect * mean, share_t=share_t, alpha=alpha,
                                     power=power)  # fmt: skip
-        mde = float(stats.mde(var, n * (1 - share_t), n * share_t, alpha=alpha, power=power))
-        plans.append(Plan(name, mean, var**0.5, n, needed, mde / mean if mean else np.nan))
+        mde = float(stats.mde(variance, n * (1 - share_t), n * share_t, alpha=alpha, power=power))
+        plans.append(Plan(name, mean, variance**0.5, n, needed, mde / mean if mean else np.nan))
     return plans
 
 

@@ -145,8 +145,8 @@ def arms(control: Moments, treatment: Moments, cols: MetricColumns) -> Arms:
 
 
 def _arms(control: Moments, treatment: Moments, cols: MetricColumns) -> Arms:
-    theta = 0.0
-    pooled_pre = 0.0
+    theta: np.ndarray | float = 0.0
+    pooled_pre: np.ndarray | float = 0.0
     if cols.has_covariate:
         pooled = control + treatment
         _, g_y = _ratio(pooled, cols.num, cols.den)

@@ -604,6 +604,13 @@ class SearchDimension(_Strict):
         """Whether a range is searched over integers (both bounds are ints)."""
         return isinstance(self.low, int) and isinstance(self.high, int)
 
+    @property
+    def bounds(self) -> tuple[int | float, int | float]:
+        """(low, high) of a range; a `choices` dimension has none."""
+        if self.low is None or self.high is None:
+            raise ValueError("a `choices` dimension has no low..high bounds")
+        return self.low, self.high
+
     def values_to_check(self) -> list[Any]:
         """The values whose validity stands for all: every choice, or both bounds."""
         return list(self.choices) if self.choices is not None else [self.low, self.high]
@@ -617,9 +624,10 @@ class SearchDimension(_Strict):
             return False
         if self.is_int and not isinstance(value, int):
             return False
-        if not self.low <= value <= self.high:
+        low, high = self.bounds
+        if not low <= value <= high:
             return False
-        steps = 0.0 if self.step is None else (value - self.low) / self.step
+        steps = 0.0 if self.step is None else (value - low) / self.step
         return math.isclose(steps, round(steps), abs_tol=1e-9)
 
 

@@ -398,9 +398,10 @@ def stage_info(folder: Path, stage: str) -> dict[str, object] | None:
     """What a finished stage recorded, or None if it has not finished."""
     marker = stage_marker(folder, stage)
     try:
-        return json.loads(marker.read_text())
+        info = json.loads(marker.read_text())
     except (FileNotFoundError, ValueError):
         return None
+    return info if isinstance(info, dict) else None
 
 
 def clean_temporaries(root: Path) -> list[Path]:

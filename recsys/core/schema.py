@@ -144,7 +144,8 @@ def encode_example(record: dict[str, Any], features: tuple[Feature, ...] = FEATU
             fmap[f.name].float_list.value.append(float(value))
     # Feature-map entries are serialised in hash order unless asked otherwise, and that order
     # differs between processes: deterministic=True sorts them, so the bytes are reproducible.
-    return example.SerializeToString(deterministic=True)
+    serialized: bytes = example.SerializeToString(deterministic=True)
+    return serialized
 
 
 def decode_example(data: bytes, features: tuple[Feature, ...] = FEATURES) -> dict[str, Any]:

@@ -26,6 +26,7 @@ is resolved. The shipped configs carry none (docs/TRAINING.md, "Dense logs").
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -44,12 +45,11 @@ class DataShape:
     events_per_user: float
 
     @classmethod
-    def from_stats(cls, stats: dict[str, object]) -> DataShape:
-        """From the Beam job's stats.json (`items`, `users`, `splits`)."""
-        splits = stats["splits"]
-        events = sum(int(v) for v in splits.values())  # type: ignore[union-attr]
-        users = max(int(stats["users"]), 1)  # type: ignore[arg-type]
-        return cls(int(stats["items"]), events / users)  # type: ignore[arg-type]
+    def from_stats(cls, stats: Mapping[str, Any]) -> DataShape:
+        """From the Beam job's stats.json (`items`, `users`, `splits`: parsed JSON)."""
+        events = sum(int(n) for n in stats["splits"].values())
+        users = max(int(stats["users"]), 1)
+        return cls(int(stats["items"]), events / users)
 
 
 def resolve(config: ModelConfig, shape: DataShape) -> tuple[ModelConfig, list[str]]:

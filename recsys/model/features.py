@@ -52,7 +52,7 @@ class FeatureTables:
 
     def save(self, path: Path) -> None:
         """`<STEM>.npz` (index matrices) and `<STEM>.json` (token vocabularies)."""
-        np.savez(path / f"{self.STEM}.npz", **self.ids)
+        np.savez(path / f"{self.STEM}.npz", allow_pickle=False, **self.ids)
         (path / f"{self.STEM}.json").write_text(json.dumps(self.vocab), encoding="utf-8")
 
     @classmethod

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Sequence
 
 import numpy as np
 import tensorflow as tf
@@ -152,16 +153,18 @@ class TwoTowerModel(tfrs.Model):
         self, query: tf.Tensor, items: tf.Tensor, log_p: tf.Tensor, training: bool
     ) -> tf.Tensor:
         """Sampled softmax: each query against its own item and a shared sampled pool."""
-        cfg, oov = self.config, self.config.oov_buckets
-        pool = sample_pool(cfg.sampled_negatives, self.item_log_probs, oov, cfg.negative_sampler)
+        cfg, oov, item_log_probs = self.config, self.config.oov_buckets, self.item_log_probs
+        if item_log_probs is None:  # __init__ refuses sampled negatives without them
+            raise ValueError("a sampled pool needs item_log_probs")
+        pool = sample_pool(cfg.sampled_negatives, item_log_probs, oov, cfg.negative_sampler)
         positives = self.candidate_tower(items, training=training)
         pooled = self.candidate_tower(pool, training=training)
         log_q_positive = log_q_pool = None
         if cfg.logq_correction:
-            catalog = int(self.item_log_probs.shape[0]) - oov
+            catalog = int(item_log_probs.shape[0]) - oov
             args = (cfg.sampled_negatives, cfg.negative_sampler, catalog)
             log_q_positive = pool_log_q(log_p, *args)
-            log_q_pool = pool_log_q(tf.gather(self.item_log_probs, pool), *args)
+            log_q_pool = pool_log_q(tf.gather(item_log_probs, pool), *args)
         return sampled_softmax_loss(
             query, positives, pooled, items, pool, cfg.temperature, log_q_positive, log_q_pool
         )
@@ -171,12 +174,14 @@ class TwoTowerModel(tfrs.Model):
     ) -> tuple[tf.Tensor, tf.Tensor, tf.Tensor]:
         """The global batch's candidates followed by a shared pool of sampled items, with
         every column's mixture log Q (`recsys.model.negatives`)."""
-        cfg, oov = self.config, self.config.oov_buckets
-        pool = sample_pool(cfg.sampled_negatives, self.item_log_probs, oov, cfg.negative_sampler)
+        cfg, oov, item_log_probs = self.config, self.config.oov_buckets, self.item_log_probs
+        if item_log_probs is None:  # __init__ refuses sampled negatives without them
+            raise ValueError("a sampled pool needs item_log_probs")
+        pool = sample_pool(cfg.sampled_negatives, item_log_probs, oov, cfg.negative_sampler)
         pooled = tf.cast(self.candidate_tower(pool, training=training), candidates.dtype)
         ids = tf.concat([ids, tf.cast(pool, ids.dtype)], 0)
-        log_p = tf.concat([log_p, tf.gather(self.item_log_probs, pool)], 0)
-        catalog = int(self.item_log_probs.shape[0]) - oov
+        log_p = tf.concat([log_p, tf.gather(item_log_probs, pool)], 0)
+        catalog = int(item_log_probs.shape[0]) - oov
         log_q = mixture_log_q(
             log_p, tf.shape(candidates)[0], cfg.sampled_negatives, cfg.negative_sampler, catalog
         )
@@ -216,7 +221,9 @@ def _replica_device() -> contextlib.AbstractContextManager[object]:
     destination from the tensor's device: "destinations can not be empty" otherwise.
     """
     strategy = tf.distribute.get_strategy()
-    devices = strategy.extended.worker_devices if strategy.num_replicas_in_sync > 1 else ()
+    devices: Sequence[str] = (
+        strategy.extended.worker_devices if strategy.num_replicas_in_sync > 1 else ()
+    )
     if isinstance(strategy, tf.distribute.MultiWorkerMirroredStrategy) and len(devices) == 1:
         return tf.device(devices[0])
     return contextlib.nullcontext()

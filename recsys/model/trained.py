@@ -132,7 +132,7 @@ class TrainedModel:
         indices = self.item_lookup()(tf.constant(list(item_ids), tf.string))
         inputs = {ITEM_INDEX: indices}
         for name, table in self.candidate_tower.feature_ids.items():
-            if name not in (features or {}):
+            if features is None or name not in features:
                 continue
             tokens = [TOKENIZERS[name](value) for value in features[name]]
             given = np.array([bool(t) for t in tokens])[:, None]

@@ -101,7 +101,9 @@ def warm_start(model: TrainedModel, previous: TrainedModel) -> dict[str, int]:
     return copied
 
 
-def _copy_matching(layers: Sequence[tf.keras.layers.Layer], old: Sequence[object]) -> None:
+def _copy_matching(
+    layers: Sequence[tf.keras.layers.Layer], old: Sequence[tf.keras.layers.Layer]
+) -> None:
     """Copy each old layer's weights into the new one at the same place when shapes match."""
     for layer, old_layer in zip(layers, old, strict=False):
         if [w.shape for w in layer.weights] == [w.shape for w in old_layer.weights]:

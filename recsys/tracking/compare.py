@@ -23,7 +23,7 @@ from typing import Any
 import numpy as np
 import pyarrow.parquet as pq
 from mlflow import MlflowClient
-from mlflow.entities import RunStatus
+from mlflow.entities import Run, RunStatus
 from mlflow.exceptions import MlflowException
 
 from recsys.core import schema
@@ -144,6 +144,8 @@ def resolve_ref(client: MlflowClient, config: RecsysConfig, ref: str) -> RunRef:
         run_id = _run_of_date(client, config, ref)
     else:
         run_id = ref
+    if run_id is None:  # a version registered outside recsys may have no run
+        raise ConfigError(f"{ref!r} is a registered version without a tracked run")
     try:
         run = client.get_run(run_id)
     except MlflowException:
@@ -168,7 +170,7 @@ def resolve_ref(client: MlflowClient, config: RecsysConfig, ref: str) -> RunRef:
 
 def _run_of_date(client: MlflowClient, config: RecsysConfig, date: str) -> str:
     experiment = client.get_experiment_by_name(experiment_name(config))
-    runs = []
+    runs: list[Run] = []
     if experiment is not None:
         runs = client.search_runs(
             [experiment.experiment_id],

@@ -12,6 +12,7 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
+from functools import partial
 from typing import Any
 
 import numpy as np
@@ -207,28 +208,30 @@ def _primary_check(
         b - a, samples=config.bootstrap_samples, confidence=config.confidence, seed=config.seed
     )
     pct = f"{config.confidence:.0%}"
-    base = dict(
+    champion_mean, challenger_mean = _mean(a), _mean(b)
+    check = partial(
+        Check,
         metric=name,
-        champion=_mean(a),
-        challenger=_mean(b),
+        champion=champion_mean,
+        challenger=challenger_mean,
         delta=ci.mean,
         ci_low=ci.low,
         ci_high=ci.high,
         threshold=config.min_delta,
     )
     if len(a) == 0:
-        return Check(**base, passed=False, reason=f"{name}: no common evaluation users")
+        return check(passed=False, reason=f"{name}: no common evaluation users")
     if not (np.all(np.isfinite(a)) and np.all(np.isfinite(b))):
-        return Check(**base, passed=False, reason=f"{name}: NaN/inf per-user values never pass")
+        return check(passed=False, reason=f"{name}: NaN/inf per-user values never pass")
     text = (
-        f"{name} {base['challenger']:.4f} vs {base['champion']:.4f}: "
+        f"{name} {challenger_mean:.4f} vs {champion_mean:.4f}: "
         f"delta {ci.mean:+.4f}, {pct} CI [{ci.low:+.4f}, {ci.high:+.4f}] over {len(a)} users"
     )
     if ci.mean < config.min_delta:
-        return Check(**base, passed=False, reason=f"{text}; below min_delta {config.min_delta}")
+        return check(passed=False, reason=f"{text}; below min_delta {config.min_delta}")
     if not ci.low > 0:
-        return Check(**base, passed=False, reason=f"{text}; CI includes 0 (not confident)")
-    return Check(**base, passed=True, reason=f"{text}; confident improvement")
+        return check(passed=False, reason=f"{text}; CI includes 0 (not confident)")
+    return check(passed=True, reason=f"{text}; confident improvement")
 
 
 def _guardrail_check(

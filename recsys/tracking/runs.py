@@ -123,8 +123,8 @@ def log_nightly_run(
             run_name = f"nightly-{run_date.isoformat()}"
             run_id = find_nightly_run(client, experiment_id, run_tags)
             if run_id is None:
-                run_id = client.create_run(experiment_id, tags=run_tags, run_name=run_name)
-                run_id = run_id.info.run_id
+                created = client.create_run(experiment_id, tags=run_tags, run_name=run_name)
+                run_id = created.info.run_id
             elif client.get_run(run_id).data.tags.get(LOGGED_TAG) == "true":
                 return run_id  # already complete: a rerun changes nothing
             _record_run(
@@ -234,7 +234,10 @@ def _dataset_input(source: str | None, fingerprint: str) -> DatasetInput | None:
         warnings.simplefilter("ignore")
         dataset_source = resolve_dataset_source(redact_credentials(source))
     # MLflow stores at most 36 characters of digest; 32 hex digits of sha256 are plenty.
-    dataset = MetaDataset(dataset_source, name=Path(source).name or source, digest=fingerprint[:32])
+    # MLflow's documented class; its base declares `profile` abstract but is no ABC.
+    dataset = MetaDataset(  # type: ignore[abstract]
+        dataset_source, name=Path(source).name or source, digest=fingerprint[:32]
+    )
     # The public Dataset.to_dict() fields are exactly mlflow.entities.Dataset's arguments.
     fields = dataset.to_dict()
     entity = DatasetEntity(
@@ -451,7 +454,7 @@ def _record_run(
         for key, value in tags.items():
             if run.data.tags.get(key) != value:
                 client.set_tag(run_id, key, value)
-        if dataset is not None and not run.inputs.dataset_inputs:
+        if dataset is not None and not (run.inputs and run.inputs.dataset_inputs):
             client.log_inputs(run_id, datasets=[dataset])
         safe_stats = redact_tree(json.loads(json.dumps(stats, default=str)))
         client.log_dict(run_id, safe_stats, DataFile.STATS)
@@ -516,7 +519,7 @@ def redacted_text_file(path: Path) -> str | None:
 
 def _mark_failed(client: MlflowClient, run_id: str) -> None:
     # Best effort: the store may be the thing that failed; the original error is what matters.
-    with suppress(TRACKING_FAILURES):
+    with suppress(*TRACKING_FAILURES):
         client.set_terminated(run_id, RunStatus.to_string(RunStatus.FAILED))
 
 

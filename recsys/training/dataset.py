@@ -43,9 +43,9 @@ def training_dataset(
 ) -> tf.data.Dataset:
     """Model-ready batches {user_index, history_index, item_index, item_log_prob}.
 
-    Ids are looked up here, so the model itself stays numeric (see GOTCHAS: jit). The history
-    keeps its last `history_length` ids, as a dense [batch, history_length] matrix padded with
-    PAD (so batches have a static shape); unknown ids hash to the OOV buckets.
+    Ids are looked up here, so the model itself stays numeric (XLA compiles no string op). The
+    history keeps its last `history_length` ids, as a dense [batch, history_length] matrix
+    padded with PAD (so batches have a static shape); unknown ids hash to the OOV buckets.
     """
     user_lookup, item_lookup = model.user_lookup(), model.item_lookup()
     log_q = tf.constant(item_log_probabilities(data_dir, model))

@@ -35,6 +35,8 @@ class BackupEveryStepsAndEpoch(tf.keras.callbacks.BackupAndRestore):
     `save_freq` steps.
     """
 
+    _batches_count: int  # tf_keras' own counter (PRIVATE_STATE), typed for the checker
+
     def on_train_batch_begin(self, batch: int, logs: dict[str, float] | None = None) -> None:
         super().on_train_batch_begin(batch, logs)
         self._call_first_step = batch

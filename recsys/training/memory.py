@@ -6,7 +6,8 @@ and is OOM-killed minutes later. The estimate counts the big float32 buffers onl
 
 - embedding tables: (users + oov) x d and (items + oov) x d, plus the hidden layers;
 - optimizer slots and gradients: Adam keeps m and v per weight, Adagrad one accumulator, and
-  tf_keras updates whole tables (GOTCHAS), so one more table-sized gradient buffer;
+  tf_keras Adam rewrites every row of its slots each step, so one more table-sized gradient
+  buffer;
 - logits block: the in-batch softmax scores r x b logits at a time (r = min(b, BLOCK_ROWS);
   the whole b x b without the blocked loss); the `mixed` and `full` negatives score b x (b +
   pool) and b x items at once; with softmax and gradient, 3 copies;

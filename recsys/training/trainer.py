@@ -151,7 +151,7 @@ def resolve_precision(precision: str, gpus: list[tf.config.PhysicalDevice]) -> s
     if precision != "auto":
         return precision
     if not gpus:
-        return "float32"  # bf16 brought no speed on CPU, fp16 is emulated there (GOTCHAS).
+        return "float32"  # bf16 brought no speed on CPU (dims 32-64); fp16 is emulated there.
     capabilities = [
         tf.config.experimental.get_device_details(gpu).get("compute_capability", (0, 0))
         for gpu in gpus
@@ -232,7 +232,8 @@ def build_model(
     jit_compile: bool = False,
     steps_per_epoch: int = 1,
 ) -> tuple[TrainedModel, TwoTowerModel]:
-    """Towers under the precision policy; task, metrics and model in float32 (GOTCHAS).
+    """Towers under the precision policy; task, metrics and model in float32 (TFRS's task
+    fails on mixed float16/bfloat16 inputs, docs/TRAINING.md).
 
     `steps_per_epoch` (the fit's batches per epoch) sets the learning-rate schedule's length.
     """
@@ -512,12 +513,14 @@ def _schedule_steps(plan: FitPlan) -> int:
     return min(plan.steps, cap) if cap else plan.steps
 
 
-def _fit_steps(plan: FitPlan, strategy: tf.distribute.Strategy, train_ds: object) -> int | None:
+def _fit_steps(
+    plan: FitPlan, strategy: tf.distribute.Strategy, train_ds: tf.data.Dataset
+) -> int | None:
     """`steps_per_epoch` for Keras: the coordinator counts an epoch's steps under parameter
     servers (workers repeat their pipelines); else the step budget, if any."""
     if is_parameter_server(strategy):
         return plan.steps
-    return capped_steps(plan.config.training, train_ds)  # type: ignore[arg-type]
+    return capped_steps(plan.config.training, train_ds)
 
 
 @contextlib.contextmanager

@@ -100,8 +100,8 @@ class ValidationRecall(tf.keras.callbacks.Callback):
         target.mkdir(parents=True, exist_ok=True)
         state_file = self.state_dir / self.STATE
         previous = json.loads(state_file.read_text()) if state_file.is_file() else None
-        weights = f"best-{self.best_epoch}" if improved or previous is None else None
-        if weights is not None:
+        if improved or previous is None:
+            weights = f"best-{self.best_epoch}"
             self._towers().write(str(target / weights / "towers"))
         else:
             weights = previous["weights"]
