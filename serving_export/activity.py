@@ -21,7 +21,7 @@ import pyarrow.parquet as pq
 
 from recsys.core.layout import DataFile
 from recsys.data_io import Sequences, load_sequences, vocabulary_lookup
-from recsys.evaluation import id_positions
+from recsys.evaluation import concat_ranges, id_positions
 
 # Parquet has no seconds unit (pyarrow would coerce to ms on write): ms from the start.
 TIMESTAMP_TYPE = pa.timestamp("ms", tz="UTC")
@@ -99,19 +99,18 @@ def _histories(
     sequences: Sequences, items: Sequence[str], starts: np.ndarray, stops: np.ndarray
 ) -> list[list[str]]:
     """Item ids of the positions `starts[i]:stops[i]`, one list per user."""
-    # Ids missing from `items` (first seen after training's split) stay in histories: they
-    # get positions past `items`.
-    index = sequences.items.copy()
-    names = list(items)
-    unknown = np.flatnonzero(index < 0)
-    if len(unknown):
-        extra, inverse = np.unique(sequences.unknown, return_inverse=True)
-        index[unknown] = len(names) + inverse
-        names += extra.tolist()
-    return [
-        [names[i] for i in index[s:e].tolist()]
-        for s, e in zip(starts.tolist(), stops.tolist(), strict=True)
-    ]
+    flat = concat_ranges(starts, stops)
+    index = sequences.items[flat]
+    names = np.asarray(list(items), dtype=object)[np.maximum(index, 0)] if len(items) else index
+    # Ids missing from `items` (first seen after training's split) stay in histories:
+    # `unknown` holds their strings in position order.
+    missing = np.flatnonzero(index < 0)
+    if len(missing):
+        names = names.astype(object)
+        every_missing = np.flatnonzero(sequences.items < 0)
+        names[missing] = sequences.unknown[np.searchsorted(every_missing, flat[missing])]
+    bounds = np.cumsum(stops - starts)[:-1]
+    return [part.tolist() for part in np.split(names, bounds)] if len(starts) else []
 
 
 def _times(seconds: np.ndarray, seen: np.ndarray) -> pa.Array:
