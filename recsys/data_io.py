@@ -12,6 +12,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
 import tensorflow as tf
 
 from recsys.core import schema
@@ -140,15 +142,18 @@ def _to_numpy(value: tf.Tensor | tf.RaggedTensor) -> np.ndarray:
 def latest_histories(data_dir: Path, users: list[str], length: int) -> list[list[str]]:
     """Per user (in `users` order): their last `length` items over every split, oldest first.
 
-    Ordered by (timestamp, item id), the protocol's order: the history a query made tonight
-    would carry.
+    From the sequence records, in the protocol's order (timestamp, then item id): the history
+    a query made tonight would carry.
     """
-    columns = (schema.USER_ID, schema.ITEM_ID, schema.TIMESTAMP)
-    parts = [load_split(data_dir, split, columns=columns) for split in schema.SPLITS]
-    user = decoded([u for p in parts for u in p[schema.USER_ID]])
-    item = decoded([i for p in parts for i in p[schema.ITEM_ID]])
-    stamp = np.array([t for p in parts for t in p[schema.TIMESTAMP]], dtype=np.int64)
-    return latest_items(user, item, stamp, users, length)
+    sequences = load_sequences(data_dir)
+    row = {user: r for r, user in enumerate(sequences.users)}
+    ends = sequences.offsets
+    return [
+        sequences.items[max(ends[r], ends[r + 1] - length) : ends[r + 1]].tolist()
+        if (r := row.get(user)) is not None and length
+        else []
+        for user in users
+    ]
 
 
 def latest_items(
@@ -189,6 +194,9 @@ class Sequences:
     items: np.ndarray  # [positions]: int64 indices of the lookup, or id strings (object)
     splits: np.ndarray  # [positions] int8
     timestamps: np.ndarray | None = None  # [positions] int64 seconds, when asked for
+    # With `keep_unknown`: the id strings of the positions the lookup mapped below 0, in
+    # position order (ids missing from a `vocabulary_lookup`).
+    unknown: np.ndarray | None = None
 
     @property
     def lengths(self) -> np.ndarray:
@@ -205,12 +213,14 @@ def load_sequences(
     lookup: ItemLookup | None = None,
     timestamps: bool = False,
     batch_size: int = 4096,
+    keep_unknown: bool = False,
 ) -> Sequences:
     """The per-user sequence records of a data folder, read once into flat arrays.
 
     With `lookup`, item ids become its int64 indices inside tf.data (no Python per item);
     without, they stay strings (a 1-D object array). Memory: about 9 bytes per position
-    (17 with timestamps), plus one Python string per user.
+    (17 with timestamps), plus one Python string per user. `keep_unknown` (with a lookup
+    that maps ids it lacks below 0, `vocabulary_lookup`) also keeps those ids' strings.
     """
     names = [schema.USER_ID, schema.ITEM_IDS, schema.SPLIT_CODES]
     if timestamps:
@@ -221,7 +231,11 @@ def load_sequences(
     def parse(records: tf.Tensor) -> dict[str, tf.Tensor]:
         parsed = tf.io.parse_example(records, spec)
         if lookup is not None:
-            parsed[schema.ITEM_IDS] = tf.ragged.map_flat_values(lookup, parsed[schema.ITEM_IDS])
+            ids = parsed[schema.ITEM_IDS]
+            parsed[schema.ITEM_IDS] = tf.ragged.map_flat_values(lookup, ids)
+            if keep_unknown:
+                found = parsed[schema.ITEM_IDS].flat_values
+                parsed[UNKNOWN] = tf.boolean_mask(ids.flat_values, found < 0)
         return parsed
 
     files = split_files(data_dir, SEQUENCES)
@@ -230,11 +244,14 @@ def load_sequences(
     users: list[str] = []
     lengths: list[np.ndarray] = []
     parts: dict[str, list[np.ndarray]] = {name: [] for name in names[1:]}
+    unknown: list[np.ndarray] = []
     for batch in ds.prefetch(2):
         users.extend(u.decode("utf-8") for u in batch[schema.USER_ID].numpy().tolist())
         lengths.append(batch[schema.ITEM_IDS].row_lengths().numpy())
         for name in parts:
             parts[name].append(batch[name].flat_values.numpy())
+        if UNKNOWN in batch:
+            unknown.append(batch[UNKNOWN].numpy())
     offsets = np.zeros(len(users) + 1, np.int64)
     if lengths:
         np.cumsum(np.concatenate(lengths), out=offsets[1:])
@@ -251,4 +268,26 @@ def load_sequences(
         items,
         flat[schema.SPLIT_CODES].astype(np.int8),
         flat.get(schema.TIMESTAMPS),
+        _decoded_flat(unknown) if keep_unknown and lookup is not None else None,
     )
+
+
+def _decoded_flat(chunks: list[np.ndarray]) -> np.ndarray:
+    """Chunks of id bytes as one object array of str."""
+    return decoded(np.concatenate(chunks).tolist() if chunks else []).astype(object)
+
+
+UNKNOWN = "unknown_item_ids"
+"""`load_sequences`' batch key of the ids its lookup lacks."""
+
+
+def vocabulary_lookup(vocabulary: Sequence[str]) -> ItemLookup:
+    """Id strings -> their index in `vocabulary` (the first copy's), -1 for ids it lacks."""
+    ids = pa.array(list(vocabulary), pa.string())
+    position = pc.index_in(ids, value_set=ids).to_numpy(zero_copy_only=False)
+    first = np.flatnonzero(position == np.arange(len(ids)))  # a repeated id: its first copy
+    keys = tf.constant(ids.take(pa.array(first)).to_numpy(zero_copy_only=False), tf.string)
+    table = tf.lookup.StaticHashTable(
+        tf.lookup.KeyValueTensorInitializer(keys, tf.constant(first, tf.int64)), default_value=-1
+    )
+    return table.lookup

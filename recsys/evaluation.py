@@ -20,6 +20,7 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 import pyarrow as pa
@@ -29,7 +30,11 @@ from threadpoolctl import threadpool_limits
 
 from recsys.core import schema
 from recsys.core.config import EvaluationConfig
+from recsys.item_tokens import PAD
 from recsys.topk import top_k_columns
+
+if TYPE_CHECKING:
+    from recsys.data_io import Sequences
 
 _MAX_THREADS = 4
 """Score batches evaluated at once, on as many threads (at most twice the CPU count)."""
@@ -82,14 +87,128 @@ def build_eval_set(
         row = id_positions(rows[schema.USER_ID], distinct)
         item = id_positions(rows[schema.ITEM_ID], items)
         keep = (row >= 0) & (item >= 0)
-        keys.append(np.unique(row[keep] * num_items + item[keep]))
-    known = np.unique(np.concatenate(keys)) if keys else np.zeros(0, np.int64)
+        keys.append(sorted_unique(row[keep] * num_items + item[keep]))
+    known = sorted_unique(np.concatenate(keys)) if keys else np.zeros(0, np.int64)
     bounds = np.searchsorted(known, np.arange(len(distinct) + 1) * num_items)
     exclude = [
         _drop(known[bounds[r] : bounds[r + 1]] % num_items, t)
         for r, t in zip(user_row.tolist(), targets.tolist(), strict=True)
     ]
     return EvalSet(users, targets, exclude, len(catalog))
+
+
+@dataclass
+class EvalExamples:
+    """One split's evaluation examples over per-user sequences (`data_io.Sequences`), as
+    index arrays: one example per position of the split, in the sequences' order.
+
+    Example i's user is row `rows[i]` of the sequences; its target is flat position
+    `positions[i]` and its history the user's positions before it,
+    `items[starts[i]:positions[i]]`; it excludes
+    `exclude_items[exclude_offsets[i]:exclude_offsets[i + 1]]`.
+    """
+
+    rows: np.ndarray  # [n] int64
+    starts: np.ndarray  # [n] int64: flat position of the user's first interaction
+    positions: np.ndarray  # [n] int64
+    targets: np.ndarray  # [n] int64 catalog index of the target, -1 outside the catalog
+    exclude_offsets: np.ndarray  # [n + 1] int64
+    exclude_items: np.ndarray  # catalog indices: the user's earlier splits' items, no target
+    population: int | None = None  # examples these are a uniform sample of (None: all)
+
+    def histories(self, items: np.ndarray, length: int) -> np.ndarray:
+        """[n, length] int64: each example's last `length` history items (`items`: the
+        sequences' lookup indices), oldest first, right-padded with PAD (the towers' input)."""
+        sizes = np.minimum(self.positions - self.starts, length)
+        out = np.full((len(sizes), length), PAD, np.int64)
+        flat = concat_ranges(self.positions - sizes, self.positions)
+        rows = np.repeat(np.arange(len(sizes)), sizes)
+        out[rows, flat - np.repeat(self.positions - sizes, sizes)] = items[flat]
+        return out
+
+    def eval_set(self, users: Sequence[str], num_items: int) -> EvalSet:
+        """The `EvalSet` of these examples; `users`: the sequences' user ids."""
+        exclude = np.split(self.exclude_items, self.exclude_offsets[1:-1]) if len(self.rows) else []
+        return EvalSet(
+            [users[r] for r in self.rows.tolist()],
+            self.targets,
+            exclude,
+            num_items,
+            self.population,
+        )
+
+
+def eval_examples(
+    sequences: Sequences, split: str, first_item: int = 0, sample: int = 0, seed: int = 0
+) -> EvalExamples:
+    """Every position of `split` (validation or test) as an evaluation example.
+
+    Each example's history is the user's positions before it (several test positions of a
+    user under the time-window split each get their own); its exclusions are the user's
+    items of the earlier splits (validation: train; test: train and validation), the target
+    itself never. `sequences.items` are int indices whose catalog starts at `first_item`
+    (a model lookup's `oov_buckets`; lower values: ids outside the catalog). `sample` > 0
+    keeps the seeded uniform sample `sample_indices` draws over the examples.
+    """
+    code = schema.SPLITS.index(split)
+    items, offsets = sequences.items, sequences.offsets
+    positions = np.flatnonzero(sequences.splits == code)
+    population = len(positions)
+    chosen = sample_indices(population, sample, seed)
+    if chosen is not None:
+        positions = positions[chosen]
+    rows = np.searchsorted(offsets, positions, side="right") - 1
+    targets = items[positions].astype(np.int64) - first_item
+    targets[targets < 0] = -1
+    offsets_out, excluded = _exclusions(sequences, rows, targets, code, first_item)
+    return EvalExamples(
+        rows,
+        offsets[rows],
+        positions,
+        targets,
+        offsets_out,
+        excluded,
+        population if chosen is not None else None,
+    )
+
+
+def _exclusions(
+    sequences: Sequences, rows: np.ndarray, targets: np.ndarray, code: int, first_item: int
+) -> tuple[np.ndarray, np.ndarray]:
+    """Per example (CSR): the distinct catalog items of its user's positions in splits
+    before `code`, less its target."""
+    # `rows` ascend (positions do): each user's examples are one run.
+    first = np.append(True, rows[1:] != rows[:-1]) if len(rows) else np.zeros(0, bool)
+    users, user_of_example = rows[first], np.cumsum(first) - 1
+    offsets = sequences.offsets
+    flat = concat_ranges(offsets[users], offsets[users + 1])
+    owner = np.repeat(np.arange(len(users)), offsets[users + 1] - offsets[users])
+    item = sequences.items[flat].astype(np.int64) - first_item
+    keep = (sequences.splits[flat] < code) & (item >= 0)
+    width = int(item[keep].max()) + 1 if keep.any() else 1
+    # One sorted key per distinct (user, item): each user's items form one run.
+    known = sorted_unique(owner[keep] * width + item[keep])
+    bounds = np.searchsorted(known, np.arange(len(users) + 1) * width)
+    lo, hi = bounds[user_of_example], bounds[user_of_example + 1]
+    picked = known[concat_ranges(lo, hi)] % width
+    example = np.repeat(np.arange(len(rows)), hi - lo)
+    kept = picked != targets[example]
+    counts = np.bincount(example[kept], minlength=len(rows))
+    return np.concatenate([[0], np.cumsum(counts)]).astype(np.int64), picked[kept]
+
+
+def sorted_unique(values: np.ndarray) -> np.ndarray:
+    """np.unique of an int array, by one sort: numpy 2's hash-based np.unique is over 100x
+    slower on (user, item) keys."""
+    ordered = np.sort(values)
+    return ordered[np.append(True, ordered[1:] != ordered[:-1])] if len(ordered) else ordered
+
+
+def concat_ranges(starts: np.ndarray, stops: np.ndarray) -> np.ndarray:
+    """np.arange(start, stop) of every pair, concatenated (without a Python loop)."""
+    sizes = np.asarray(stops, np.int64) - np.asarray(starts, np.int64)
+    before = np.cumsum(sizes) - sizes
+    return np.arange(int(sizes.sum()), dtype=np.int64) + np.repeat(starts - before, sizes)
 
 
 def sample_rows(rows: dict[str, np.ndarray], size: int, seed: int) -> dict[str, np.ndarray]:

@@ -29,7 +29,7 @@ from beam_jobs.pipeline import run_preprocess
 from beam_jobs.runners import job_runner
 from recsys.core.config import RecsysConfig, parse_config
 from recsys.core.errors import ConfigError
-from recsys.core.layout import SUCCESS
+from recsys.core.layout import SEQUENCES, SUCCESS
 from recsys.synthetic import write_csv
 
 REPO = Path(__file__).resolve().parent.parent
@@ -197,6 +197,7 @@ def test_job_on_a_dask_cluster_is_byte_identical_to_the_direct_runner(
     assert files == _data_files(reference_dir)
     names = set(files)
     assert {f"train-{i:05d}-of-00003.tfrecord.gz" for i in range(3)} <= names
+    assert {f"{SEQUENCES}-{i:05d}-of-00003.tfrecord.gz" for i in range(3)} <= names
     assert {f"rejected/rejected-{i:05d}-of-00003.jsonl" for i in range(3)} <= names
     assert {"vocab/users.txt", "item_features.parquet", "user_features.parquet"} <= names
     assert (

@@ -1,4 +1,5 @@
-"""serving_export.activity streams the splits as integers and gives the string-based answer."""
+"""serving_export.activity reads the sequence records as integers and gives the string-based
+answer of the per-row splits."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import pyarrow as pa
 import pytest
 
 from recsys.core import schema
+from recsys.core.layout import SEQUENCES
 from recsys.data_io import decoded, latest_items, load_split
 from serving_export import activity
 from serving_export.activity import TIMESTAMP_TYPE, read_activity
@@ -49,10 +51,31 @@ def write_split(path: Path, rows: list[tuple[str, str, int]]) -> None:
             )
 
 
+def write_sequences(path: Path, split_rows: dict[str, list[tuple[str, str, int]]]) -> None:
+    """The same rows as per-user sequence records, in protocol order (time, then item id)."""
+    import tensorflow as tf
+
+    by_user: dict[str, list[tuple[int, str, int]]] = {}
+    for code, split in enumerate(schema.SPLITS):
+        for user, item, stamp in split_rows[split]:
+            by_user.setdefault(user, []).append((stamp, item, code))
+    with tf.io.TFRecordWriter(str(path), options="GZIP") as writer:
+        for user, events in sorted(by_user.items()):
+            events.sort()
+            record = {
+                schema.USER_ID: user,
+                schema.ITEM_IDS: [e[1] for e in events],
+                schema.TIMESTAMPS: [e[0] for e in events],
+                schema.SPLIT_CODES: [e[2] for e in events],
+            }
+            writer.write(schema.encode_example(record, schema.SEQUENCE_FEATURES))
+
+
 @pytest.fixture()
 def data_dir(tmp_path: Path) -> Path:
     for split, rows in SPLIT_ROWS.items():
         write_split(tmp_path / f"{split}-00000-of-00001.tfrecord.gz", rows)
+    write_sequences(tmp_path / f"{SEQUENCES}-00000-of-00001.tfrecord.gz", SPLIT_ROWS)
     return tmp_path
 
 
@@ -84,7 +107,7 @@ def string_based(data_dir: Path, users: list[str], items: list[str], length: int
 def test_streamed_activity_equals_the_string_based_one(
     data_dir: Path, batch: int, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(activity, "_READ_BATCH", batch)  # several batches per split, or one
+    monkeypatch.setattr(activity, "_READ_BATCH", batch)  # several batches of users, or one
     expected = string_based(data_dir, USERS, ITEMS, 4)
     got = read_activity(data_dir, USERS, ITEMS, 4)
     assert got.histories == expected["histories"]

@@ -30,7 +30,7 @@ from recsys.core import schema
 from recsys.core.config import RecsysConfig
 from recsys.core.errors import ConfigError
 from recsys.core.layout import DataFile, RunFile
-from recsys.data_io import load_split
+from recsys.data_io import load_sequences, vocabulary_lookup
 from recsys.tracking import registry
 from recsys.tracking.gate import pair_users, paired_bootstrap
 from recsys.tracking.runs import (
@@ -293,24 +293,39 @@ def _segments(
 
 
 def user_segments(data_dir: Path) -> dict[str, tuple[str, str]]:
-    """Per test user: ('new users' | 'returning users', 'head items' | 'tail items')."""
-    history: dict[str, int] = {}
-    for split in ("train", "validation"):
-        for user in load_split(data_dir, split)[schema.USER_ID]:
-            key = user.decode() if isinstance(user, bytes) else str(user)
-            history[key] = history.get(key, 0) + 1
-    features = pq.read_table(data_dir / DataFile.ITEM_FEATURES).to_pydict()
-    order = np.argsort(-np.asarray(features["train_count"]), kind="stable")
-    n_head = max(1, math.ceil(HEAD_SHARE * len(order)))
-    head = {str(features["item_id"][i]) for i in order[:n_head]}
-    test = load_split(data_dir, "test")
+    """Per test user: ('new users' | 'returning users', 'head items' | 'tail items').
+
+    From the sequence records: known interactions are the train and validation positions,
+    the target the user's (last) test position.
+    """
+    features = pq.read_table(data_dir / DataFile.ITEM_FEATURES, columns=["item_id", "train_count"])
+    catalog = [str(i) for i in features["item_id"].to_pylist()]
+    order = np.argsort(-np.asarray(features["train_count"].to_pylist()), kind="stable")
+    head = np.zeros(len(catalog) + 1, bool)  # the last entry: ids outside the catalog
+    head[order[: max(1, math.ceil(HEAD_SHARE * len(order)))]] = True
+    sequences = load_sequences(data_dir, vocabulary_lookup(catalog))
+    test_code = schema.SPLITS.index("test")
+    if not sequences.users:
+        return {}
+    known = np.add.reduceat((sequences.splits < test_code).astype(np.int64), sequences.offsets[:-1])
+    last = _last_test_position(sequences.splits, sequences.offsets, test_code)
     labels = {}
-    for user, item in zip(test[schema.USER_ID], test[schema.ITEM_ID], strict=True):
-        u = user.decode() if isinstance(user, bytes) else str(user)
-        i = item.decode() if isinstance(item, bytes) else str(item)
-        who = "new users" if history.get(u, 0) <= NEW_USER_MAX_HISTORY else "returning users"
-        labels[u] = (who, "head items" if i in head else "tail items")
+    for user, count, position in zip(sequences.users, known.tolist(), last.tolist(), strict=True):
+        if position < 0:
+            continue
+        who = "new users" if count <= NEW_USER_MAX_HISTORY else "returning users"
+        labels[user] = (who, "head items" if head[sequences.items[position]] else "tail items")
     return labels
+
+
+def _last_test_position(splits: np.ndarray, offsets: np.ndarray, code: int) -> np.ndarray:
+    """Per user: the flat position of their last position of split `code` (-1: none)."""
+    positions = np.flatnonzero(splits == code)
+    users = np.searchsorted(offsets, positions, side="right") - 1
+    final = np.append(users[1:] != users[:-1], True) if len(users) else np.zeros(0, bool)
+    last = np.full(len(offsets) - 1, -1, np.int64)
+    last[users[final]] = positions[final]
+    return last
 
 
 def format_table(result: Comparison) -> str:

@@ -24,7 +24,7 @@ from recsys import evaluation as ev
 from recsys.core import schema
 from recsys.core.config import EvaluationConfig, RecsysConfig
 from recsys.data_io import concat_batches, count_rows, iter_split
-from recsys.model import PAD, TrainedModel
+from recsys.model import TrainedModel
 from recsys.training.windows import TrainingSequences
 
 log = logging.getLogger(__name__)
@@ -220,59 +220,19 @@ def rows_validation(
 def sequence_validation(
     config: RecsysConfig, sequences: TrainingSequences, trained: TrainedModel
 ) -> tuple[ev.EvalSet, QueryVectors] | None:
-    """Validation positions of the sequences: target, history before it, training items.
-
-    The same seeded sample of `evaluation.sample_users` as the rows path draws (positions in
-    record order stand for the split's rows).
-    """
+    """Validation positions of the sequences: target, history before it, training items,
+    with the seeded sample of `evaluation.sample_users` the test evaluation draws."""
     seqs = sequences.sequences
-    validation = np.flatnonzero(seqs.splits == schema.SPLITS.index("validation"))
-    if not len(validation):
+    examples = ev.eval_examples(
+        seqs,
+        "validation",
+        trained.config.oov_buckets,
+        config.evaluation.sample_users,
+        config.evaluation.sample_seed,
+    )
+    if not len(examples.rows):
         return None
-    chosen = ev.sample_indices(
-        len(validation), config.evaluation.sample_users, config.evaluation.sample_seed
-    )
-    if chosen is not None:
-        validation = validation[chosen]
-    rows = seqs.user_of_position()
-    user_rows = rows[validation]
-    oov = trained.config.oov_buckets
-    catalog = seqs.items - oov  # catalog position of each item; < 0: out of vocabulary
-    targets = np.where(catalog[validation] >= 0, catalog[validation], -1)
-    train = np.flatnonzero(seqs.splits == schema.SPLITS.index("train"))
-    # Per validation example: the user's training items (the target itself is never removed).
-    known = np.isin(rows[train], user_rows)
-    train = train[known]
-    order = np.argsort(rows[train], kind="stable")
-    train = train[order]
-    bounds = np.searchsorted(rows[train], np.stack([user_rows, user_rows + 1]))
-    exclude = [
-        _without(np.unique(catalog[train[lo:hi]]), target)
-        for lo, hi, target in zip(bounds[0], bounds[1], targets.tolist(), strict=True)
-    ]
-    eval_set = ev.EvalSet(
-        [seqs.users[r] for r in user_rows.tolist()], targets, exclude, len(trained.items)
-    )
-    length = trained.config.history_length
-    history = latest_positions(seqs.items, seqs.offsets[user_rows], validation, length)
-    user_index = sequences.user_index[user_rows]
+    eval_set = examples.eval_set(seqs.users, len(trained.items))
+    history = examples.histories(seqs.items, trained.config.history_length)
+    user_index = sequences.user_index[examples.rows]
     return eval_set, lambda model: model.query_embeddings(user_index, history)
-
-
-def latest_positions(
-    items: np.ndarray, starts: np.ndarray, stops: np.ndarray, length: int
-) -> np.ndarray | None:
-    """[n, length] int64: items[max(start, stop - length) : stop] per row, PAD after (None
-    when `length` is 0): the history the query tower reads, oldest first."""
-    if not length:
-        return None
-    begin = np.maximum(starts, stops - length)
-    where = begin[:, None] + np.arange(length)[None, :]
-    valid = where < stops[:, None]
-    picked = items[np.clip(where, 0, max(len(items) - 1, 0))] if len(items) else PAD
-    return np.where(valid, picked, PAD).astype(np.int64)
-
-
-def _without(items: np.ndarray, target: int) -> np.ndarray:
-    """Catalog positions of known items, minus unknown ones and the target itself."""
-    return items[(items >= 0) & (items != target)]
