@@ -112,6 +112,15 @@ def summary(runs: list[dict[str, Any]]) -> dict[str, Any]:
     return out
 
 
+def _pairs(items: list[str]) -> dict[str, Any]:
+    """`key=value` arguments as settings (values parsed as YAML)."""
+    pairs = {}
+    for item in items:
+        key, _, value = item.partition("=")
+        pairs[key] = yaml.safe_load(value)
+    return pairs
+
+
 def main() -> int:
     """Run the interleaved fits and write the JSON results."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -122,27 +131,33 @@ def main() -> int:
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     parser.add_argument("--inputs", nargs="+", default=["rows", "sequences"])
     parser.add_argument("--set", action="append", default=[], help="key=value (YAML value)")
+    parser.add_argument(
+        "--rows-set",
+        action="append",
+        default=[],
+        help="key=value for the rows runs only (e.g. the per-prefix path's former settings)",
+    )
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
     logging.basicConfig(level=logging.WARNING)
     logging.getLogger("recsys.training").setLevel(logging.INFO)
     base = load_config(args.config)
-    settings = {"training.refit": "off"}
-    for item in args.set:
-        key, _, value = item.partition("=")
-        settings[key] = yaml.safe_load(value)
+    settings = {"training.refit": "off", **_pairs(args.set)}
+    rows_settings = _pairs(args.rows_set)
     base = set_values(base, settings)
     data_dir = prepare(base, args.input_path, dt.date.fromisoformat(args.date), Path(args.root))
     out_path = Path(args.out)
     results: dict[str, Any] = {
         "config": args.config,
         "settings": settings,
+        "rows_settings": rows_settings,
         "data": json.loads((data_dir / "stats.json").read_text())["splits"],
         "runs": [],
     }
     for seed in args.seeds:
         for mode in args.inputs:
-            config = set_values(base, {"training.input": mode, "training.seed": seed})
+            extra = rows_settings if mode == "rows" else {}
+            config = set_values(base, {"training.input": mode, "training.seed": seed, **extra})
             record = {"input": mode, "seed": seed, **run(config, data_dir)}
             results["runs"].append(record)
             print(json.dumps(record), flush=True)

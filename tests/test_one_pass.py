@@ -40,9 +40,12 @@ ITEMS = [f"i{i}" for i in range(15)]
 LENGTH = 5
 
 
-def _model(encoder: str, negatives: str, user_embedding: bool = True) -> TwoTowerModel:
+def _model(
+    encoder: str, negatives: str, user_embedding: bool = True, positions: str = "relative"
+) -> TwoTowerModel:
     tf.keras.utils.set_random_seed(3)
     config = ModelConfig(
+        encoder_positions=positions,
         query_encoder=encoder,
         history_length=LENGTH,
         embedding_dim=8,
@@ -86,25 +89,29 @@ def _prefix_rows(batch: dict[str, tf.Tensor]) -> dict[str, np.ndarray]:
     return {k: np.array(v, np.int64) for k, v in rows.items()}
 
 
-@pytest.mark.parametrize("negatives", ["in_batch", "full"])
-@pytest.mark.parametrize("encoder", ["mean", "gru"])
+@pytest.mark.parametrize("negatives", ["in_batch", "full", "sampled"])
+@pytest.mark.parametrize("encoder", ["mean", "gru", "transformer"])
 def test_one_pass_loss_equals_the_per_prefix_loss(encoder: str, negatives: str) -> None:
+    """Each position's query equals the per-prefix query (the serving path: the history
+    right-aligned on its own); with the same pool (seeded), the same loss."""
     model = _model(encoder, negatives)
     batch = _windows()
+    tf.random.set_seed(11)  # the sampled pool: the same draw for both
     one_pass, examples = model._loss_and_examples(batch, training=False)
     rows = _prefix_rows(batch)
     features = {k: tf.constant(v) for k, v in rows.items()}
     features[ITEM_LOG_PROB] = tf.gather(model.item_log_probs, features[ITEM_INDEX])
+    tf.random.set_seed(11)
     per_prefix, count = model._loss_and_examples(features, training=False)
     assert int(examples) == int(count) == 10
     np.testing.assert_allclose(float(one_pass), float(per_prefix), rtol=1e-5)
 
 
 @pytest.mark.parametrize("negatives", ["in_batch", "full"])
-def test_transformer_one_pass_loss_equals_each_prefix_encoded_alone(negatives: str) -> None:
-    """The transformer's positions are window slots: each prefix is encoded alone in the
-    same slots (later slots PAD), and the loss over those vectors must be the same."""
-    model = _model("transformer", negatives)
+def test_absolute_positions_one_pass_loss_equals_each_prefix_encoded_alone(negatives: str) -> None:
+    """With absolute positions a prefix sits at the window's slots: each prefix encoded alone
+    in the same slots (later slots PAD) gives the loss of the one pass."""
+    model = _model("transformer", negatives, positions="absolute")
     batch = _windows()
     one_pass, _ = model._loss_and_examples(batch, training=False)
     inputs, targets = batch[HISTORY_INDEX].numpy(), batch[TARGET_INDEX].numpy()

@@ -307,6 +307,16 @@ class ModelConfig(_Strict):
     encoder_layers: int = Field(2, ge=1, le=64)
     encoder_heads: int = Field(1, ge=1, le=64)
     encoder_dropout: float = Field(0.2, ge=0, lt=1)
+    encoder_positions: Literal["absolute", "relative"] = Field(
+        "relative",
+        description=(
+            "transformer: how attention knows order. absolute: a learned vector per window "
+            "slot added to the items; relative: a learned bias per head and distance t - s "
+            "added to the attention scores, so a position's output depends on how far back "
+            "each item is, the same inside a training window as at the end of a served "
+            "history (recsys/model/attention.py)."
+        ),
+    )
     # Softmax negatives: the global batch's other items (in_batch), those plus a shared pool of
     # `sampled_negatives` items drawn per batch (mixed), or the whole catalog (full). Sampled
     # columns are logQ-corrected by the mixture of both samplers. sampled: each position

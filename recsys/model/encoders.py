@@ -5,6 +5,8 @@ self-attention over the ordered history, as in SASRec (Kang & McAuley, 2018):
 
     ids are right-aligned so the latest item sits at position L-1 (a position = recency)
     x_t   = sqrt(d) V[h_t] + P[t]                        (V: the item table, P: learned positions)
+    (`encoder_positions: relative`: no P; each attention adds a learned bias b[t - s] per head
+    and distance to its scores, recsys/model/attention.py)
     block = x + Drop(MHA(LN(x), mask)) ; x + Drop(FFN(LN(x)))   (pre-LN, FFN = ReLU(xW1)W2)
     mask  = {(t, s): s <= t and h_s is an item} (plus t = s, so no row is empty)
     out_t = LN(block^k(x))_t,                             encoder(h) = out_{L-1} 1[|h| > 0]
@@ -25,9 +27,9 @@ One causal pass (training): every encoder also has `sequence(ids)`, which takes 
 right-aligned ids (PAD first) and returns the output at every position t, computed from the
 items at positions <= t only: the transformer's causal mask, the GRU's state after step t, and
 for mean pooling the prefix mean `sum_{s<=t} V[h_s] / |{s<=t: h_s is an item}|` (prefix
-sums). Position t's output is what `call` returns for the history h_1 .. h_t, up to the
-transformer's position embeddings (a prefix sits at the window's positions, not at its end),
-so a whole sequence trains every position at the cost of one.
+sums). Position t's output is what `call` returns for the history h_1 .. h_t (for the
+transformer with relative positions; with absolute ones a prefix sits at the window's slots,
+not at its end), so a whole sequence trains every position at the cost of one.
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ from dataclasses import dataclass
 import tensorflow as tf
 
 from recsys.core.config import ModelConfig
+from recsys.model.attention import RelativeAttention
 
 
 @dataclass(frozen=True)
@@ -48,6 +51,7 @@ class EncoderSpec:
     layers: int = 2
     heads: int = 1
     dropout: float = 0.2
+    positions: str = "absolute"  # transformer: absolute slot embeddings, or relative bias
 
     @classmethod
     def from_config(cls, config: ModelConfig) -> EncoderSpec:
@@ -57,6 +61,7 @@ class EncoderSpec:
             config.encoder_layers,
             config.encoder_heads,
             config.encoder_dropout,
+            config.encoder_positions,
         )
 
 
@@ -91,19 +96,24 @@ class TransformerEncoder(tf.keras.layers.Layer):
         num_layers: int = 2,
         num_heads: int = 1,
         dropout: float = 0.2,
+        relative: bool = False,
         **kwargs: object,
     ) -> None:
         super().__init__(**kwargs)
         self.item_embedding = item_embedding
         self.scale = math.sqrt(dim)
-        self.positions = self.add_weight(
-            name="positions",
-            shape=(max_length, dim),
-            initializer=tf.keras.initializers.RandomNormal(stddev=0.02),
-        )
+        # Relative: no slot embeddings; each block's attention has a bias per distance.
+        self.positions = None
+        if not relative:
+            self.positions = self.add_weight(
+                name="positions",
+                shape=(max_length, dim),
+                initializer=tf.keras.initializers.RandomNormal(stddev=0.02),
+            )
         self.dropout = tf.keras.layers.Dropout(dropout)
+        distance = max_length if relative else None
         self.blocks = [
-            _Block(dim, num_heads, dropout, name=f"block_{i}") for i in range(num_layers)
+            _Block(dim, num_heads, dropout, distance, name=f"block_{i}") for i in range(num_layers)
         ]
         self.norm = tf.keras.layers.LayerNormalization(epsilon=1e-6, name="final_norm")
 
@@ -114,7 +124,10 @@ class TransformerEncoder(tf.keras.layers.Layer):
         valid = ids >= 0
         x = self.item_embedding(tf.where(valid, ids, tf.zeros_like(ids)))
         mask = tf.cast(valid, x.dtype)[..., None]
-        x = (x * self.scale + tf.cast(self.positions, x.dtype)[None]) * mask
+        x = x * self.scale
+        if self.positions is not None:
+            x = x + tf.cast(self.positions, x.dtype)[None]
+        x = x * mask
         length = tf.shape(ids)[1]
         causal = tf.linalg.band_part(tf.ones([length, length], tf.bool), -1, 0)
         eye = tf.cast(tf.eye(length), tf.bool)
@@ -195,12 +208,24 @@ class GRUEncoder(tf.keras.layers.Layer):
 class _Block(tf.keras.layers.Layer):
     """One pre-LN transformer block: `x + Drop(MHA(LN x))`, then `x + Drop(FFN(LN x))`."""
 
-    def __init__(self, dim: int, num_heads: int, dropout: float, **kwargs: object) -> None:
+    def __init__(
+        self,
+        dim: int,
+        num_heads: int,
+        dropout: float,
+        max_distance: int | None = None,
+        **kwargs: object,
+    ) -> None:
         super().__init__(**kwargs)
         self.attention_norm = tf.keras.layers.LayerNormalization(epsilon=1e-6)
-        self.attention = tf.keras.layers.MultiHeadAttention(
-            num_heads, key_dim=dim // num_heads, dropout=dropout
-        )
+        if max_distance is None:
+            self.attention = tf.keras.layers.MultiHeadAttention(
+                num_heads, key_dim=dim // num_heads, dropout=dropout
+            )
+        else:
+            self.attention = RelativeAttention(
+                num_heads, dim // num_heads, max_distance, dropout=dropout
+            )
         self.ffn_norm = tf.keras.layers.LayerNormalization(epsilon=1e-6)
         self.ffn_in = tf.keras.layers.Dense(dim, activation="relu")
         self.ffn_out = tf.keras.layers.Dense(dim)

@@ -31,6 +31,7 @@ ADDED_OFF = {
     "user_features": False,
     "query_encoder": "mean",
     "negatives": "in_batch",
+    "encoder_positions": "absolute",
 }
 """ModelConfig keys added after the first saved models, with the value that means 'absent'
 (models saved before `normalize` existed were always normalised, before `query_encoder`

@@ -82,6 +82,7 @@ class QueryTower(_Tower):
                 encoder.layers,
                 encoder.heads,
                 encoder.dropout,
+                relative=encoder.positions == "relative",
                 name="encoder",
             )
         elif history_length and encoder is not None and encoder.kind == "gru":

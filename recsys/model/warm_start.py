@@ -127,6 +127,8 @@ def copy_encoder(encoder: Encoder, old: Encoder) -> int:
         _copy_matching([encoder.gru, encoder.norm], [old.gru, old.norm])
         return 0
     _copy_matching([*encoder.blocks, encoder.norm], [*old.blocks, old.norm])
+    if encoder.positions is None or old.positions is None:
+        return 0  # relative positions: the distance biases are copied with the blocks
     new, previous = encoder.positions, old.positions.numpy()
     if new.shape[1] != previous.shape[1]:
         return 0
