@@ -3,8 +3,9 @@
 For each size a `sessions`-shaped log (recsys/synthetic.py: power-law items, ordered
 sessions; 30 interactions per user on average, users = rows / 30, items = users / 5, so the
 top size is 1M users x 200K items) is generated, then `recsys nightly` runs on it in a
-child process: preprocess (Beam) -> train (LazyAdam, streamed from the TFRecords, capped by a
-step budget) -> evaluate (exact top-K over the whole catalog for a sample of test users, with
+child process: preprocess (Beam) -> train (LazyAdam, one causal pass per window of each
+user's sequence record: one epoch over every training position unless `--steps` caps it)
+-> evaluate (exact top-K over the whole catalog for a sample of test users, with
 95% intervals) -> export (SavedModels verified in a fresh process, user/item embeddings) ->
 publish (MLflow run, registry, champion/challenger gate). A monitor samples the child's
 process tree every 0.25 s (/proc: resident memory summed over the tree, bytes written to
@@ -67,7 +68,8 @@ def synthetic_config(rows: int, vocab_rows: int | None = None) -> dict[str, Any]
 
 
 def nightly_config(log: Path, items: Path, rows: int, args: argparse.Namespace) -> dict:
-    """The run configuration: the generated CSV, streaming training under a step budget."""
+    """The run configuration: the generated CSV; one epoch over every training position
+    (one causal pass per sequence window) unless `--steps` sets a budget."""
     return {
         "model_name": "scale",
         "data": {
@@ -81,9 +83,11 @@ def nightly_config(log: Path, items: Path, rows: int, args: argparse.Namespace) 
             "epochs": 1,
             "max_steps_per_epoch": args.steps,
             "optimizer": "lazy_adam",
-            "cache": "none",
-            "batch_size": 1024,
+            "batch_size": args.batch_size,
+            "input": "sequences",
+            **args.training,
         },
+        "model": {"query_encoder": "transformer", **args.model},
         "evaluation": {"ks": [10, 50, 100], "sample_users": args.eval_users},
         "export": {"top_k": 100},
     }
@@ -423,13 +427,27 @@ def main() -> int:
     parser.add_argument("--root", default="/tmp/recsys-scale", help="logs and workdirs")
     parser.add_argument("--out", default=str(REPO / "benchmarks/results/scale.json"))
     parser.add_argument("--plot", default=str(REPO / "docs/scale.png"))
-    parser.add_argument("--steps", type=int, default=300, help="training step budget")
+    parser.add_argument(
+        "--steps", type=int, default=0, help="training step budget (0: every position once)"
+    )
+    parser.add_argument("--batch-size", type=int, default=1024, help="training.batch_size")
+    parser.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        help="model.key=value or training.key=value (YAML value) for the nightly's config",
+    )
     parser.add_argument("--eval-users", type=int, default=100_000, help="test user sample")
     parser.add_argument(
         "--vocab-rows", type=parse_size, help="users/items as for this size (fixed vocabulary)"
     )
     parser.add_argument("--table", action="store_true", help="print --out as Markdown, run nothing")
     args = parser.parse_args()
+    args.model, args.training = {}, {}
+    for item in args.set:
+        key, _, value = item.partition("=")
+        section, _, name = key.partition(".")
+        getattr(args, section)[name] = yaml.safe_load(value)
     out = Path(args.out)
     results = json.loads(out.read_text())["results"] if out.is_file() else []
     if args.table:

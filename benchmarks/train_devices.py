@@ -3,11 +3,13 @@
 Made for a machine with GPUs and TensorFlow (the CI machine has neither): it trains our
 two-tower model on a generated log with every combination of
 
-    precision in {float32, mixed_float16 (GPU) | mixed_bfloat16 (CPU)}
+    precision in {float32, mixed_bfloat16, mixed_float16 (GPU only: emulated on CPU)}
     strategy  in {one_device, mirrored (all GPUs; skipped with fewer than 2)}
+    input     in {sequences (one causal pass per window), rows (one example per prefix)}
 
-and reports examples/s after the first epoch (the first includes tracing) and the ratio of
-each variant to float32 on one device, with the GPU names, the XLA and in-memory-cache
+and reports examples (trained positions) per second after the first epoch (the first
+includes tracing) and the ratio of each variant to float32 on one device with the same
+input, with the GPU names, the XLA and in-memory-cache
 settings each variant ran with (`--jit`, `--cache`: the trainer's `training.jit_compile`
 and `training.cache`; auto = XLA on one replica only, cache under 1 GiB) and the final loss
 (a sanity check that mixed precision trains). On CPU it still runs (`--smoke`, small data),
@@ -67,27 +69,35 @@ def base_config(args: argparse.Namespace) -> RecsysConfig:
                 "jit_compile": args.jit,
                 "cache": args.cache,
             },
+            "model": {"negatives": args.negatives},
         }
     )
 
 
-def variants(gpus: int) -> list[tuple[str, str]]:
-    """(strategy, precision) pairs this machine can run."""
-    low = "mixed_float16" if gpus else "mixed_bfloat16"
-    out = [("one_device", "float32"), ("one_device", low)]
-    if gpus >= 2:
-        out += [("mirrored", "float32"), ("mirrored", low)]
-    return out
+def variants(gpus: int, inputs: list[str]) -> list[tuple[str, str, str]]:
+    """(input, strategy, precision) triples this machine can run."""
+    precisions = ["float32", "mixed_bfloat16"] + (["mixed_float16"] if gpus else [])
+    strategies = ["one_device"] + (["mirrored"] if gpus >= 2 else [])
+    return [(i, s, p) for i in inputs for s in strategies for p in precisions]
 
 
 def run_variant(
-    config: RecsysConfig, workdir: Workdir, data_dir: Path, strategy: str, precision: str
+    config: RecsysConfig,
+    workdir: Workdir,
+    data_dir: Path,
+    source: str,
+    strategy: str,
+    precision: str,
 ) -> dict[str, Any]:
     """Train once with the given layout; examples/s over the epochs after the first."""
-    training = config.training.model_copy(update={"strategy": strategy, "precision": precision})
+    update = {"strategy": strategy, "precision": precision, "input": source}
+    if source == "sequences" and config.training.jit_compile == "on":
+        update["jit_compile"] = "auto"  # the one-pass step is not XLA-compilable
+    training = config.training.model_copy(update=update)
     config = config.model_copy(update={"training": training})
     _, result = stages.train(config, workdir, DATE, data_dir)
     return {
+        "input": source,
         "strategy": result.strategy,
         "replicas": result.replicas,
         "precision": result.precision,
@@ -112,6 +122,8 @@ def main() -> int:
     parser.add_argument("--learning-rate", type=float, default=0.01)
     parser.add_argument("--jit", choices=["auto", "on", "off"], default="auto")
     parser.add_argument("--cache", choices=["auto", "memory", "none"], default="auto")
+    parser.add_argument("--negatives", default="auto", help="model.negatives")
+    parser.add_argument("--inputs", nargs="+", default=["sequences", "rows"])
     parser.add_argument("--smoke", action="store_true", help="tiny data for a CPU check")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
@@ -134,10 +146,14 @@ def main() -> int:
         workdir = Workdir(Path(tmp))
         data_dir, stats = stages.preprocess(config, workdir, DATE)
         results["train_examples"] = stats["splits"]["train"]
-        for strategy, precision in variants(gpus):
-            results["variants"].append(run_variant(config, workdir, data_dir, strategy, precision))
-    reference = results["variants"][0]["examples_per_second"]
+        for source, strategy, precision in variants(gpus, args.inputs):
+            results["variants"].append(
+                run_variant(config, workdir, data_dir, source, strategy, precision)
+            )
     for variant in results["variants"]:
+        reference = next(
+            v["examples_per_second"] for v in results["variants"] if v["input"] == variant["input"]
+        )
         variant["speedup_vs_float32_one_device"] = round(
             variant["examples_per_second"] / reference, 2
         )

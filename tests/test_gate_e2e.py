@@ -30,11 +30,13 @@ DAY1 = DAY2 = SMALL_DATE  # SMALL rejects rows after its date: both nights use i
 MODEL = "e2e-model"
 
 
-def _config(root: Path, uri: str, epochs: int, refit: str = "off", dense: bool = False) -> Path:
+def _config(
+    root: Path, uri: str, epochs: int, refit: str = "off", dense: bool = False, mode: str = "full"
+) -> Path:
     raw = {
         **SMALL,
         "model_name": MODEL,
-        "training": {**SMALL["training"], "epochs": epochs, "refit": refit},
+        "training": {**SMALL["training"], "epochs": epochs, "refit": refit, "mode": mode},
         "tracking": {"uri": uri, "retries": 2, "backoff_seconds": 0.2},
         "gate": {"bootstrap_samples": 500},
     }
@@ -60,8 +62,9 @@ def two_nights(
     root = tmp_path_factory.mktemp("e2e")
     work = root / "work"
     outputs = []
-    for date, epochs, refit, dense in ((DAY1, 1, "all", False), (DAY2, 3, "off", True)):
-        config = _config(root, server.uri, epochs, refit, dense)
+    nights = ((DAY1, 1, "all", False, "full"), (DAY2, 3, "off", True, "incremental"))
+    for date, epochs, refit, dense, mode in nights:
+        config = _config(root, server.uri, epochs, refit, dense, mode)
         printed = io.StringIO()
         with contextlib.redirect_stdout(printed):
             code = cli.main(
@@ -113,6 +116,10 @@ def test_second_night_is_gated_against_the_first(
     logged_models = {a.path for a in client.list_artifacts(first.info.run_id)}
     assert {"trained_model", "evaluation_model"} <= logged_models
     run1, run2 = Path(first.data.tags["run_dir"]), Path(second.data.tags["run_dir"])
+    # The second night is incremental: it started from the champion's served model.
+    trained = json.loads((run2 / "train.json").read_text())
+    assert trained["incremental_from"] == str(run1 / "model")
+    assert json.loads((run1 / "train.json").read_text())["incremental_from"] is None
     assert first.data.tags["data_dir"] == second.data.tags["data_dir"]
     logged = pq.read_table(run2 / "gate" / "champion_per_user_eval.parquet").to_pydict()
     own = pq.read_table(run1 / "per_user_eval.parquet").to_pydict()

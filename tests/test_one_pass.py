@@ -229,3 +229,20 @@ def test_an_incremental_night_trains_the_new_positions_from_the_previous_model(
     assert train(incremental, data_dir).examples == full.examples
     with pytest.raises(ConfigError, match=r"needs training\.input sequences"):
         train(set_values(incremental, {"training.input": "rows"}), data_dir)
+
+
+def test_refit_continue_trains_the_first_fit_on_the_held_back_positions(
+    prepared: tuple[RecsysConfig, Workdir, Path],
+) -> None:
+    config, _, data_dir = prepared
+    config = set_values(config, {"training.epochs": 1, "training.refit": "continue"})
+    result = train(config, data_dir)
+    stats = json.loads((data_dir / "stats.json").read_text())["splits"]
+    # One more epoch over every validation and test position, nothing else.
+    assert result.refit_examples == stats["validation"] + stats["test"]
+    assert result.refit_splits == ("train", "validation", "test")
+    # The first fit never saw the test items: it is what evaluation scores.
+    assert result.evaluation_model is not None and result.evaluation_model is not result.model
+    first = result.evaluation_model.query_tower.get_weights()
+    served = result.model.query_tower.get_weights()
+    assert any(np.abs(a - b).max() > 0 for a, b in zip(first, served, strict=True))

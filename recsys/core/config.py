@@ -332,6 +332,7 @@ REFIT_SPLITS: dict[str, tuple[str, ...]] = {
     "off": (),
     "validation": ("train", "validation"),
     "all": ("train", "validation", "test"),
+    "continue": ("train", "validation", "test"),
 }
 """`training.refit` -> the splits the served model is refitted on."""
 
@@ -435,7 +436,13 @@ class TrainingConfig(_Strict):
     # was given; the first fit (train split only) is then the evaluation model, scored by the
     # evaluate stage and the gate (`<run>/eval_model`), since the served one saw the test
     # items. off (or false): the first fit is served. A refit costs about a second fit.
-    refit: Literal["off", "validation", "all"] = "off"
+    # continue (training.input sequences): the first fit itself trains on for
+    # refit_continue_epochs more epochs (at a tenth of the learning rate) on the validation
+    # and test positions only (each with the history before it), from its own weights: each
+    # user's newest items reach the served
+    # model for a small part of a fit's cost; the first fit is the evaluation model, as for all.
+    refit: Literal["off", "validation", "all", "continue"] = "off"
+    refit_continue_epochs: int = Field(1, ge=1, le=MAX_COUNT)
     early_stopping_metric: str = Field("recall_at_50", pattern=r"^(recall|ndcg|mrr)_at_\d+$")
     # A previous run's model dir (e.g. the champion's): initialise from its weights, rows
     # mapped by id when the vocabularies changed.

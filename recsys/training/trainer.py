@@ -20,7 +20,7 @@ from typing import Any
 
 import tensorflow as tf
 
-from recsys.core.config import ModelConfig, RecsysConfig, TrainingConfig
+from recsys.core.config import ModelConfig, RecsysConfig, TrainingConfig, set_values
 from recsys.core.errors import ConfigError, OutOfMemoryError, StorageError, storage_errno
 from recsys.core.layout import DataFile
 from recsys.model import (
@@ -40,7 +40,7 @@ from recsys.training.memory import check_memory
 from recsys.training.parameter_servers import is_parameter_server, parameter_server_strategy
 from recsys.training.result import TrainResult, load_first_fit, save_first_fit
 from recsys.training.validation import ValidationRecall, validation_callback
-from recsys.training.windows import TrainingSequences
+from recsys.training.windows import TrainingSequences, split_positions
 
 __all__ = [
     "IncrementalStart",
@@ -562,15 +562,35 @@ def _refit(
     # Without early stopping every configured epoch ran (a resumed fit's history and timer
     # hold only the epochs after the resume, so they cannot count them).
     epochs = first.best_epoch or tc.epochs
-    log.info("refit: %d epoch(s) on the %s splits together", epochs, " + ".join(splits))
+    sequences, start_from = setup.sequences, setup.previous
+    if tc.refit == "continue":
+        if sequences is None:
+            raise ConfigError("training.refit continue needs training.input sequences")
+        # The first fit trains on, from its own weights, on the held-back positions only.
+        held_back = split_positions(sequences.sequences, ("validation", "test"))
+        sequences = dataclasses.replace(sequences, trainable=held_back)
+        epochs, start_from = tc.refit_continue_epochs, first.model
+        # A fresh optimizer on trained weights: a tenth of the rate, held constant.
+        config = set_values(
+            config,
+            {
+                "training.learning_rate_schedule": "constant",
+                "training.learning_rate": tc.learning_rate / 10,
+            },
+        )
+        log.info(
+            "refit: the first fit continues %d epoch(s) on the validation + test positions", epochs
+        )
+    else:
+        log.info("refit: %d epoch(s) on the %s splits together", epochs, " + ".join(splits))
     tf.keras.utils.set_random_seed(tc.seed)
-    plan = plan_fit(config, data_dir, setup.stats, strategy, splits, setup.sequences, False)
+    plan = plan_fit(config, data_dir, setup.stats, strategy, splits, sequences, False)
     with strategy.scope():
         trained, model = build_model(
             config, data_dir, first.precision, first.jit_compile, _schedule_steps(plan)
         )
-        if setup.previous is not None:
-            warm_start(trained, setup.previous)
+        if start_from is not None:
+            warm_start(trained, start_from)
     train_ds, _ = plan.datasets(trained, strategy)
     timer = EpochTimer()
     own: list[tf.keras.callbacks.Callback] = [timer]
