@@ -28,6 +28,7 @@ from apache_beam.typehints import no_annotations
 from beam_jobs.inputs import InputFile, list_input_files
 from beam_jobs.items import ReadItems, item_source
 from beam_jobs.loopback import loopback_grpc_servers
+from beam_jobs.progress import Tally, batch_rows, close_bars, one
 from beam_jobs.readers import (
     Bounds,
     ReadAndValidate,
@@ -54,6 +55,7 @@ from beam_jobs.vocab import BuildVocabularies
 from recsys.core.config import PreprocessConfig, RecsysConfig
 from recsys.core.errors import ConfigError, DataError
 from recsys.core.layout import atomic_dir, end_of_day_utc, mark_complete
+from recsys.core.schema import SPLITS
 
 log = logging.getLogger(__name__)
 
@@ -99,6 +101,13 @@ def build_pipeline(
     )
     split = read.batches | "SplitAndWrite" >> SplitAndWrite(
         settings, out, pp.num_shards, paths, spill
+    )
+    _ = read.batches | "ProgressRead" >> beam.ParDo(
+        Tally("preprocess read", "rows", None, batch_rows)
+    )
+    files_written = pp.num_shards * len(SPLITS)
+    _ = split.counts | "ProgressWrite" >> beam.ParDo(
+        Tally("preprocess write", "files", files_written, one)
     )
     rejected = (
         (read.rejected, split.rejected)
@@ -210,8 +219,11 @@ def run_preprocess(
                 else contextlib.nullcontext()
             )
             start = time.perf_counter()
-            with local, beam.Pipeline(runner=runner, options=options) as p:
-                build_pipeline(p, config, files, tmp, run_date)
+            try:
+                with local, beam.Pipeline(runner=runner, options=options) as p:
+                    build_pipeline(p, config, files, tmp, run_date)
+            finally:
+                close_bars()
             seconds = time.perf_counter() - start
         shutil.rmtree(tmp / SHUFFLE_DIR, ignore_errors=True)  # spilled batches, now written
         stats = json.loads((tmp / STATS_FILE).read_text(encoding="utf-8"))

@@ -1,0 +1,140 @@
+"""Progress of long stages through tqdm: a redrawn bar on a terminal, plain lines in logs.
+
+On a terminal tqdm draws its bar. Elsewhere (cron, systemd, Kubernetes logs) the same bar
+writes a plain timestamped line at each quarter of its total and otherwise at most every
+`interval` seconds, and a final line when it closes, so logs stay short:
+
+    2026-12-02T17:02:30Z train: 81/380 steps (21%), ETA 0:01:51, 3 steps/s, elapsed 0:00:30
+
+Library code asks for bars with `bar(...)`; they stay silent unless the caller turned
+progress on (`shown()`: the `recsys` CLI and the nightly do), so tests, benchmarks and
+library users get no output they did not ask for.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any, TextIO
+
+from tqdm import tqdm
+
+INTERVAL_S = 30.0
+"""Seconds between two plain lines (not on a terminal)."""
+
+_shown = False
+
+
+@contextmanager
+def shown(enabled: bool = True) -> Iterator[None]:
+    """Within the block, `bar()` draws (or logs) progress; outside it bars are silent."""
+    global _shown
+    previous, _shown = _shown, enabled
+    try:
+        yield
+    finally:
+        _shown = previous
+
+
+def enabled() -> bool:
+    """Whether progress is being shown (inside `shown()`)."""
+    return _shown
+
+
+def duration(seconds: float) -> str:
+    """`0:01:51`: hours, minutes, seconds."""
+    return str(dt.timedelta(seconds=round(max(seconds, 0.0))))
+
+
+class LogFriendlyBar(tqdm):
+    """tqdm's bar on a terminal; elsewhere plain lines at a bounded rate (`display` override,
+    tqdm's documented extension point)."""
+
+    # tqdm's monitor thread forces refreshes on stalled bars: not wanted in a cron log.
+    monitor_interval = 0
+
+    def __init__(self, *args: Any, interval: float = INTERVAL_S, **kwargs: Any) -> None:
+        stream = kwargs.pop("file", None) or sys.stderr
+        self._plain = not _isatty(stream)
+        self._quarter = 0
+        if self._plain:
+            # tqdm only redraws after `mininterval` seconds: that is the lines' bounded rate.
+            kwargs.update(mininterval=interval, maxinterval=max(interval, 10.0), leave=True)
+        super().__init__(*args, file=stream, **kwargs)
+        if self._plain and not self.disable and self.total:
+            self._quarter = int(4 * self.n / self.total)  # a resumed fit starts part-way
+
+    def update(self, n: float | None = 1) -> bool | None:
+        """Advance by `n`; a plain bar also writes a line on reaching each quarter."""
+        shown_before = super().update(n)
+        if self._plain and not self.disable and self.total:
+            quarter = int(4 * self.n / self.total)
+            if quarter > self._quarter:
+                self._quarter = quarter
+                if self.n < self.total:  # the last quarter is close()'s line
+                    self.refresh()
+        return shown_before
+
+    def display(self, msg: str | None = None, pos: int | None = None) -> bool:
+        """Draw the bar (terminal) or write one plain line (anything else)."""
+        if not self._plain:
+            return bool(super().display(msg, pos))
+        # close() sets `disable` before its last display and writes the newline itself.
+        closing = bool(self.disable)
+        if msg == "" or (not closing and self.n == self.initial):
+            # Nothing to clear in a log; and the first line waits for real progress (the
+            # first steps include tracing, so an ETA from them would be wildly high).
+            return True
+        stamp = f"{dt.datetime.now(dt.UTC):%Y-%m-%dT%H:%M:%SZ}"
+        self.fp.write(f"{stamp} {self.plain_line()}" + ("" if closing else "\n"))
+        self.fp.flush()
+        return True
+
+    def plain_line(self) -> str:
+        """`<desc>: done/total unit (pct%), ETA, rate, elapsed[; postfix]`."""
+        d = self.format_dict
+        n, total, unit, elapsed = d["n"], d["total"], d["unit"], d["elapsed"]
+        rate = d["rate"] or ((n - d["initial"]) / elapsed if elapsed else 0.0)
+        text = f"{d['prefix']}: {n:,}"
+        if total:
+            text += f"/{total:,} {unit} ({100.0 * n / total:.0f}%)"
+            if 0 < n < total and rate > 0:
+                text += f", ETA {duration((total - n) / rate)}"
+        else:
+            text += f" {unit}"
+        # Slow units (export steps, tuning trials) keep two significant digits.
+        speed = f"{rate:,.0f}" if rate >= 10 else f"{rate:.2g}"
+        text += f", {speed} {unit}/s, elapsed {duration(elapsed)}"
+        postfix = str(d.get("postfix") or "").lstrip(", ")
+        return text + (f"; {postfix}" if postfix else "")
+
+
+def bar(
+    desc: str,
+    total: int | None = None,
+    unit: str = "items",
+    *,
+    initial: int = 0,
+    stream: TextIO | None = None,
+    interval: float = INTERVAL_S,
+    show: bool | None = None,
+) -> LogFriendlyBar:
+    """A progress bar for one stage; silent unless `show` (default: inside `shown()`)."""
+    visible = _shown if show is None else show
+    return LogFriendlyBar(
+        desc=desc,
+        total=total,
+        unit=unit,
+        initial=initial,
+        file=stream or sys.stderr,
+        interval=interval,
+        disable=not visible,
+        dynamic_ncols=True,
+    )
+
+
+def _isatty(stream: Any) -> bool:
+    isatty = getattr(stream, "isatty", None)
+    return bool(isatty()) if callable(isatty) else False
