@@ -12,10 +12,9 @@ from __future__ import annotations
 
 import itertools
 import os
-from collections.abc import Iterator
-from contextlib import contextmanager
 from importlib.metadata import version
 from pathlib import Path
+from unittest.mock import patch
 
 import mlflow
 import pandas as pd
@@ -92,7 +91,9 @@ def write_mlflow_model(
     `top_k` is the largest k the SavedModel was exported for (export.top_k); `users` and
     `items` give the input example its ids (the data's vocabularies; may be empty).
     """
-    with atomic_dir(target) as tmp, _no_artifact_progress_bars():
+    # MLflow draws a terminal bar while it copies the artifact: noise in a cron log.
+    quiet = {MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR.name: "false"}
+    with atomic_dir(target) as tmp, patch.dict(os.environ, quiet):
         mlflow.pyfunc.save_model(
             path=str(tmp),
             python_model=str(MODEL_CODE),
@@ -117,18 +118,3 @@ def write_mlflow_model(
             pip_requirements=[f"{name}=={version(name)}" for name in REQUIREMENTS],
         )
     return target
-
-
-@contextmanager
-def _no_artifact_progress_bars() -> Iterator[None]:
-    """MLflow draws a terminal bar while copying artifacts: noise in a cron log."""
-    name = MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR.name
-    before = os.environ.get(name)
-    os.environ[name] = "false"
-    try:
-        yield
-    finally:
-        if before is None:
-            os.environ.pop(name, None)
-        else:
-            os.environ[name] = before
