@@ -25,7 +25,7 @@ class _Terminal(io.StringIO):
 
 def test_plain_lines_are_bounded_and_end_with_the_total() -> None:
     stream = io.StringIO()
-    progress = bar("train", 100, "steps", stream=stream, interval=3600, show=True)
+    progress = bar("train", 100, "steps", stream=stream, interval=3600, quarter_s=0, show=True)
     for _ in range(100):
         progress.update()
     progress.set_postfix_str("3 epochs", refresh=False)
@@ -39,6 +39,15 @@ def test_plain_lines_are_bounded_and_end_with_the_total() -> None:
     assert all(LINE.match(line) for line in lines)
     assert lines[-1].split(" ", 1)[1].startswith("train: 100/100 steps (100%)")
     assert lines[-1].endswith("; 3 epochs")
+
+
+def test_a_fast_stage_writes_its_final_line_alone() -> None:
+    stream = io.StringIO()
+    with bar("evaluate", 1650, "users", stream=stream, show=True) as progress:
+        for _ in range(4):
+            progress.update(512 if progress.n + 512 <= 1650 else 1650 - progress.n)
+    lines = stream.getvalue().splitlines()
+    assert len(lines) == 1 and "evaluate: 1,650/1,650 users (100%)" in lines[0], lines
 
 
 def test_plain_lines_come_at_the_interval_with_an_eta() -> None:

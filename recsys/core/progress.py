@@ -1,8 +1,9 @@
 """Progress of long stages through tqdm: a redrawn bar on a terminal, plain lines in logs.
 
 On a terminal tqdm draws its bar. Elsewhere (cron, systemd, Kubernetes logs) the same bar
-writes a plain timestamped line at each quarter of its total and otherwise at most every
-`interval` seconds, and a final line when it closes, so logs stay short:
+writes a plain timestamped line at each quarter of its total (unless the stage is that fast)
+and otherwise at most every `interval` seconds, and a final line when it closes, so logs stay
+short:
 
     2026-12-02T17:02:30Z train: 81/380 steps (21%), ETA 0:01:51, 3 steps/s, elapsed 0:00:30
 
@@ -15,6 +16,7 @@ from __future__ import annotations
 
 import datetime as dt
 import sys
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any, TextIO
@@ -23,6 +25,8 @@ from tqdm import tqdm
 
 INTERVAL_S = 30.0
 """Seconds between two plain lines (not on a terminal)."""
+QUARTER_S = 5.0
+"""A stage that reaches a quarter sooner than this after its start writes no line for it."""
 
 _shown = False
 
@@ -55,10 +59,12 @@ class LogFriendlyBar(tqdm):
     # tqdm's monitor thread forces refreshes on stalled bars: not wanted in a cron log.
     monitor_interval = 0
 
-    def __init__(self, *args: Any, interval: float = INTERVAL_S, **kwargs: Any) -> None:
+    def __init__(
+        self, *args: Any, interval: float = INTERVAL_S, quarter_s: float = QUARTER_S, **kwargs: Any
+    ) -> None:
         stream = kwargs.pop("file", None) or sys.stderr
         self._plain = not _isatty(stream)
-        self._quarter = 0
+        self._quarter, self._quarter_s = 0, quarter_s
         if self._plain:
             # tqdm only redraws after `mininterval` seconds: that is the lines' bounded rate.
             kwargs.update(mininterval=interval, maxinterval=max(interval, 10.0), leave=True)
@@ -68,14 +74,17 @@ class LogFriendlyBar(tqdm):
 
     def update(self, n: float | None = 1) -> bool | None:
         """Advance by `n`; a plain bar also writes a line on reaching each quarter."""
-        shown_before = super().update(n)
+        displayed = super().update(n)
         if self._plain and not self.disable and self.total:
             quarter = int(4 * self.n / self.total)
             if quarter > self._quarter:
                 self._quarter = quarter
-                if self.n < self.total:  # the last quarter is close()'s line
+                now = time.time()  # tqdm's own clock
+                # The last quarter is close()'s line; a fast stage gets that line alone.
+                if not displayed and self.n < self.total and now - self.start_t >= self._quarter_s:
                     self.refresh()
-        return shown_before
+                    self.last_print_n, self.last_print_t = self.n, now
+        return displayed
 
     def display(self, msg: str | None = None, pos: int | None = None) -> bool:
         """Draw the bar (terminal) or write one plain line (anything else)."""
@@ -119,6 +128,7 @@ def bar(
     initial: int = 0,
     stream: TextIO | None = None,
     interval: float = INTERVAL_S,
+    quarter_s: float = QUARTER_S,
     show: bool | None = None,
 ) -> LogFriendlyBar:
     """A progress bar for one stage; silent unless `show` (default: inside `shown()`)."""
@@ -130,6 +140,7 @@ def bar(
         initial=initial,
         file=stream or sys.stderr,
         interval=interval,
+        quarter_s=quarter_s,
         disable=not visible,
         dynamic_ncols=True,
     )
