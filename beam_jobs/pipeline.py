@@ -28,7 +28,7 @@ from apache_beam.typehints import no_annotations
 from beam_jobs.inputs import InputFile, list_input_files
 from beam_jobs.items import ReadItems, item_source
 from beam_jobs.loopback import loopback_grpc_servers
-from beam_jobs.progress import Tally, batch_rows, close_bars, one
+from beam_jobs.progress import Tally, batch_rows, close_bars, shard_written
 from beam_jobs.readers import (
     Bounds,
     ReadAndValidate,
@@ -55,7 +55,6 @@ from beam_jobs.vocab import BuildVocabularies
 from recsys.core.config import PreprocessConfig, RecsysConfig
 from recsys.core.errors import ConfigError, DataError
 from recsys.core.layout import atomic_dir, end_of_day_utc, mark_complete
-from recsys.core.schema import SPLITS
 
 log = logging.getLogger(__name__)
 
@@ -105,9 +104,8 @@ def build_pipeline(
     _ = read.batches | "ProgressRead" >> beam.ParDo(
         Tally("preprocess read", "rows", None, batch_rows)
     )
-    files_written = pp.num_shards * len(SPLITS)
     _ = split.counts | "ProgressWrite" >> beam.ParDo(
-        Tally("preprocess write", "files", files_written, one)
+        Tally("preprocess write", "shards", pp.num_shards, shard_written)
     )
     rejected = (
         (read.rejected, split.rejected)

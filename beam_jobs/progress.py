@@ -1,4 +1,4 @@
-"""Progress of the Beam job per pipeline stage: rows read, TFRecord files written.
+"""Progress of the Beam job per pipeline stage: rows read, shards written.
 
 A `Tally` is a dead-end branch of the graph that counts what passes a stage into a progress
 bar of this process (recsys.core.progress). The local runner (Beam's FnApiRunner, in memory)
@@ -14,6 +14,7 @@ from typing import Any
 
 import apache_beam as beam
 
+from beam_jobs.split import SPLIT_KEY, TRAIN
 from recsys.core.progress import LogFriendlyBar, bar
 
 _bars: dict[str, LogFriendlyBar] = {}
@@ -48,6 +49,6 @@ def batch_rows(element: tuple[int, tuple[int, Any]]) -> int:
     return int(element[1][0])
 
 
-def one(_element: Any) -> int:
-    """Each element counts once (e.g. one TFRecord file written per split count)."""
-    return 1
+def shard_written(element: tuple[str, int]) -> int:
+    """1 for the `split:train` count a shard emits once its files are closed, else 0."""
+    return int(element[0] == SPLIT_KEY + TRAIN)
