@@ -26,7 +26,7 @@ from tqdm import tqdm
 INTERVAL_S = 30.0
 """Seconds between two plain lines (not on a terminal)."""
 QUARTER_S = 5.0
-"""A stage that reaches a quarter sooner than this after its start writes no line for it."""
+"""A quarter reached sooner than this after the last line (or the start) writes none."""
 
 _shown = False
 
@@ -80,8 +80,10 @@ class LogFriendlyBar(tqdm):
             if quarter > self._quarter:
                 self._quarter = quarter
                 now = time.time()  # tqdm's own clock
-                # The last quarter is close()'s line; a fast stage gets that line alone.
-                if not displayed and self.n < self.total and now - self.start_t >= self._quarter_s:
+                # The last quarter is close()'s line; quarters reached within `quarter_s` of
+                # the last line (a fast stage: of its start) write none.
+                recent = now - self.last_print_t < self._quarter_s
+                if not displayed and self.n < self.total and not recent:
                     self.refresh()
                     self.last_print_n, self.last_print_t = self.n, now
         return displayed
