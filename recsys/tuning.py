@@ -267,9 +267,13 @@ def tune(
         skipped = _enqueue_baseline(config, stats, study, client, parent)
         # An out-of-memory trial (too big a batch) fails alone; the search goes on.
         with bar("tune", trials, "trials") as done:
+
+            def finished(_study: optuna.Study, _trial: optuna.trial.FrozenTrial) -> None:
+                done.update()
+
             study.optimize(
                 objective, n_trials=trials, timeout=timeout_seconds, catch=(OutOfMemoryError,),
-                callbacks=[lambda _study, _trial: done.update()],
+                callbacks=[finished],
             )  # fmt: skip
         result = _finish(config, study, client, parent, experiment, output, base_yaml)
         result.seconds = time.perf_counter() - start

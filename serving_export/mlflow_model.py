@@ -60,7 +60,7 @@ def default_k(top_k: int) -> int:
 
 def input_example(users: list[str], items: list[str]) -> pd.DataFrame:
     """A known user with two catalog items as history, and an unknown user without one."""
-    rows = [(UNKNOWN_USER, [])]
+    rows: list[tuple[str, list[str]]] = [(UNKNOWN_USER, [])]
     if users and items:
         rows.insert(0, (users[0], items[:2]))
     return pd.DataFrame({USER_ID: [r[0] for r in rows], HISTORY: [r[1] for r in rows]})

@@ -18,14 +18,15 @@ from __future__ import annotations
 import math
 from typing import Any
 
-import mlflow
 import pandas as pd
 import tensorflow as tf
 from mlflow.exceptions import MlflowException
+from mlflow.models import set_model
 from mlflow.protos.databricks_pb2 import INVALID_PARAMETER_VALUE
+from mlflow.pyfunc import PythonModel
 
 
-class TopKRecommender(mlflow.pyfunc.PythonModel):
+class TopKRecommender(PythonModel):
     """user_id (+ history) -> the k highest-scoring catalog items, via the retrieval SavedModel."""
 
     def load_context(self, context: Any) -> None:
@@ -100,4 +101,4 @@ def _items(history: Any) -> list[str]:
     return [str(item) for item in history]
 
 
-mlflow.models.set_model(TopKRecommender())
+set_model(TopKRecommender())

@@ -52,7 +52,7 @@ def duration(seconds: float) -> str:
     return str(dt.timedelta(seconds=round(max(seconds, 0.0))))
 
 
-class LogFriendlyBar(tqdm):
+class LogFriendlyBar(tqdm):  # type: ignore[type-arg]  # tqdm is generic in its stubs only
     """tqdm's bar on a terminal; elsewhere plain lines at a bounded rate (`display` override,
     tqdm's documented extension point)."""
 
@@ -60,15 +60,32 @@ class LogFriendlyBar(tqdm):
     monitor_interval = 0
 
     def __init__(
-        self, *args: Any, interval: float = INTERVAL_S, quarter_s: float = QUARTER_S, **kwargs: Any
+        self,
+        desc: str,
+        total: int | None,
+        unit: str,
+        *,
+        stream: TextIO,
+        initial: int = 0,
+        interval: float = INTERVAL_S,
+        quarter_s: float = QUARTER_S,
+        disable: bool = False,
     ) -> None:
-        stream = kwargs.pop("file", None) or sys.stderr
         self._plain = not _isatty(stream)
         self._quarter, self._quarter_s = 0, quarter_s
-        if self._plain:
-            # tqdm only redraws after `mininterval` seconds: that is the lines' bounded rate.
-            kwargs.update(mininterval=interval, maxinterval=max(interval, 10.0), leave=True)
-        super().__init__(*args, file=stream, **kwargs)
+        # tqdm only redraws after `mininterval` seconds: on a log that is the lines' rate.
+        super().__init__(
+            desc=desc,
+            total=total,
+            unit=unit,
+            initial=initial,
+            file=stream,
+            disable=disable,
+            dynamic_ncols=True,
+            mininterval=interval if self._plain else 0.1,
+            maxinterval=max(interval, 10.0),
+            leave=True if self._plain else None,
+        )
         if self._plain and not self.disable and self.total:
             self._quarter = int(4 * self.n / self.total)  # a resumed fit starts part-way
 
@@ -88,20 +105,20 @@ class LogFriendlyBar(tqdm):
                     self.last_print_n, self.last_print_t = self.n, now
         return displayed
 
-    def display(self, msg: str | None = None, pos: int | None = None) -> bool:
+    def display(self, msg: str | None = None, pos: int | None = None) -> None:
         """Draw the bar (terminal) or write one plain line (anything else)."""
         if not self._plain:
-            return bool(super().display(msg, pos))
+            super().display(msg, pos)
+            return
         # close() sets `disable` before its last display and writes the newline itself.
         closing = bool(self.disable)
         if msg == "" or (not closing and self.n == self.initial):
             # Nothing to clear in a log; and the first line waits for real progress (the
             # first steps include tracing, so an ETA from them would be wildly high).
-            return True
+            return
         stamp = f"{dt.datetime.now(dt.UTC):%Y-%m-%dT%H:%M:%SZ}"
         self.fp.write(f"{stamp} {self.plain_line()}" + ("" if closing else "\n"))
         self.fp.flush()
-        return True
 
     def plain_line(self) -> str:
         """`<desc>: done/total unit (pct%), ETA, rate, elapsed[; postfix]`."""
@@ -136,15 +153,14 @@ def bar(
     """A progress bar for one stage; silent unless `show` (default: inside `shown()`)."""
     visible = _shown if show is None else show
     return LogFriendlyBar(
-        desc=desc,
-        total=total,
-        unit=unit,
+        desc,
+        total,
+        unit,
+        stream=stream or sys.stderr,
         initial=initial,
-        file=stream or sys.stderr,
         interval=interval,
         quarter_s=quarter_s,
         disable=not visible,
-        dynamic_ncols=True,
     )
 
 

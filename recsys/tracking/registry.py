@@ -76,7 +76,7 @@ def model_version(client: MlflowClient, name: str, version: str | int) -> ModelV
 def legacy_reason(name: str, version: ModelVersion) -> str | None:
     """Why MLflow cannot load `version` (registered before versions were MLflow Models), or
     None when it can."""
-    if version.source.rstrip("/").endswith(f"/{MLFLOW_MODEL}"):
+    if (version.source or "").rstrip("/").endswith(f"/{MLFLOW_MODEL}"):
         return None
     return (
         f"version {version.version} of {name} was registered before versions were MLflow "
