@@ -28,6 +28,7 @@ from apache_beam.typehints import no_annotations
 from beam_jobs.inputs import InputFile, list_input_files
 from beam_jobs.items import ReadItems, item_source
 from beam_jobs.loopback import loopback_grpc_servers
+from beam_jobs.progress import Tally, batch_rows, close_bars, shard_written
 from beam_jobs.readers import (
     Bounds,
     ReadAndValidate,
@@ -99,6 +100,12 @@ def build_pipeline(
     )
     split = read.batches | "SplitAndWrite" >> SplitAndWrite(
         settings, out, pp.num_shards, paths, spill
+    )
+    _ = read.batches | "ProgressRead" >> beam.ParDo(
+        Tally("preprocess read", "rows", None, batch_rows)
+    )
+    _ = split.counts | "ProgressWrite" >> beam.ParDo(
+        Tally("preprocess write", "shards", pp.num_shards, shard_written)
     )
     rejected = (
         (read.rejected, split.rejected)
@@ -210,8 +217,11 @@ def run_preprocess(
                 else contextlib.nullcontext()
             )
             start = time.perf_counter()
-            with local, beam.Pipeline(runner=runner, options=options) as p:
-                build_pipeline(p, config, files, tmp, run_date)
+            try:
+                with local, beam.Pipeline(runner=runner, options=options) as p:
+                    build_pipeline(p, config, files, tmp, run_date)
+            finally:
+                close_bars()
             seconds = time.perf_counter() - start
         shutil.rmtree(tmp / SHUFFLE_DIR, ignore_errors=True)  # spilled batches, now written
         stats = json.loads((tmp / STATS_FILE).read_text(encoding="utf-8"))

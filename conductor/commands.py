@@ -15,6 +15,7 @@ import yaml
 from conductor import stages
 from conductor.lock import WorkdirLock
 from conductor.nightly import NightlyResult, backfill, run_nightly
+from conductor.progress import KerasProgress
 from conductor.promotion import PublishResult
 from recsys import tuning
 from recsys.ab import workflow as ab_workflow
@@ -29,6 +30,7 @@ from recsys.core.layout import (
     clean_temporaries,
     parse_date,
 )
+from recsys.core.progress import shown
 from recsys.tracking.compare import compare, format_table
 from recsys.tracking.runs import record_ab_metric
 from recsys.training.trainer import is_chief
@@ -40,6 +42,12 @@ _WRITERS = {"preprocess", "train", "evaluate", "export", "sync", "tune"}
 
 def dispatch(args: argparse.Namespace, config: RecsysConfig, date: dt.date) -> int:
     """Run the parsed subcommand under the working directory's lock when it writes there."""
+    # Progress bars (recsys.core.progress) are the CLI's: the library is silent otherwise.
+    with shown():
+        return _dispatch(args, config, date)
+
+
+def _dispatch(args: argparse.Namespace, config: RecsysConfig, date: dt.date) -> int:
     writes = args.command in (*_WRITERS, "nightly", "backfill")
     workdir = stages.check_workdir(args.workdir, writable=writes)
     if args.command in ("nightly", "backfill") and _non_chief_worker():
@@ -72,7 +80,7 @@ def _run_stage(
     elif args.command == "train":
         if args.input:
             config = config.with_input(args.input)
-        run_dir, result = stages.train(config, workdir, date)
+        run_dir, result = stages.train(config, workdir, date, callbacks=[KerasProgress()])
         print(f"trained run: {run_dir or '(non-chief worker: the chief writes the run)'}")
         print(
             f"final loss: {result.history['loss'][-1]:.4f} "
@@ -153,6 +161,7 @@ def _tune(args: argparse.Namespace, config: RecsysConfig, workdir: Workdir, date
     result = tuning.tune(
         config, data_dir, output, workdir=workdir.root, trials=args.trials,
         timeout_seconds=args.timeout, base_yaml=base, run_date=date,
+        callbacks=[KerasProgress()],
     )  # fmt: skip
     print(f"trials:      {result.states} in {result.seconds:.0f} s")
     print(f"best:        trial {result.best_trial}, validation {result.best_value:.4f}")

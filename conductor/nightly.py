@@ -54,7 +54,9 @@ from recsys.core.layout import (
     new_run_id,
     stage_info,
 )
+from recsys.core.progress import shown
 from recsys.tracking import registry
+from recsys.tracking.live import EpochMetricsLogger
 from recsys.tracking.runs import connect, log_file_redacted
 from serving_export.integrity import check_serving
 
@@ -117,7 +119,7 @@ def run_nightly(
     progress: bool = True,
 ) -> NightlyResult:
     """All stages for `date` under the workdir lock; finished stages are skipped."""
-    with WorkdirLock(workdir.root, command=f"recsys nightly --date {date}"):
+    with WorkdirLock(workdir.root, command=f"recsys nightly --date {date}"), shown(progress):
         clean_temporaries(workdir.root)
         return _Nightly(config, workdir, date, input_path, force_promote, progress).run(rerun_from)
 
@@ -286,7 +288,11 @@ class _Nightly:
         return run_dir
 
     def _train(self) -> dict[str, Any]:
-        callbacks = []
+        stats = json.loads((self.workdir.data(self.date) / DataFile.STATS).read_text())
+        # The night's MLflow run is opened now, so each epoch can be watched as it ends.
+        callbacks: list[Any] = [
+            EpochMetricsLogger(self.config, self.workdir.root, self.date, stats)
+        ]
         if self.progress:
             callbacks.append(KerasProgress())
         _, result = stages.train(

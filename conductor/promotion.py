@@ -36,6 +36,7 @@ from recsys.tracking.runs import (
     resolve_tracking_uri,
     tracking_error,
 )
+from serving_export.mlflow_model import run_mlflow_model
 from serving_export.serving_config import set_version_labels
 
 log = logging.getLogger(__name__)
@@ -156,6 +157,10 @@ def _publish(
     artifacts += [
         (Path(path), f"{registry.SAVEDMODELS}/{name}") for name, path in exported["models"].items()
     ]
+    # What is registered: the retrieval SavedModel as an MLflow Model (pyfunc).
+    retrieval = Path(exported["models"]["retrieval"])
+    mlflow_model = run_mlflow_model(run_dir, data_dir, retrieval, config.export.top_k)
+    artifacts.append((mlflow_model, registry.MLFLOW_MODEL))
     tags = {
         "run_dir": str(run_dir.resolve()),
         "model_path": str((run_dir / RunFile.MODEL).resolve()),
@@ -185,6 +190,8 @@ def _publish(
     name = config.model_name
     version = registry.register_run(client, name, run_id)
     champion = registry.alias_version(client, name, registry.CHAMPION)
+    if champion is not None and (legacy := registry.legacy_reason(name, champion)):
+        log.warning("champion: %s", legacy)
     recorded = _recorded_decision(client, run_id)
     force = bool(state["force_promote"])
     if recorded is not None and not (force and not recorded.promote):

@@ -44,6 +44,7 @@ from recsys.core.layout import (
     replace_dir,
     require_complete,
 )
+from recsys.core.progress import bar
 from recsys.core.redact import redact_tree
 from recsys.model import TrainedModel
 from recsys.model_evaluation import evaluate_model
@@ -263,7 +264,8 @@ def evaluate(
     eval_set, result = evaluate_model(config, model_dir, data_dir)
     result.write_per_user(run_dir / RunFile.PER_USER_EVAL, eval_set.users)
     counts = pq.read_table(data_dir / DataFile.ITEM_FEATURES)["train_count"].to_numpy()
-    baseline = ev.evaluate(ev.popularity_scores(np.asarray(counts)), eval_set, config.evaluation)
+    popularity = ev.popularity_scores(np.asarray(counts))
+    baseline = ev.evaluate(popularity, eval_set, config.evaluation, "evaluate popularity")
     report = {
         "protocol": "leave-last-out test item; train+validation items removed; full catalog",
         # eval_model: the run serves a refit that also trained on the test split.
@@ -305,12 +307,16 @@ def export(
     # verification cost the same at any size, the embeddings grow with users and rows.
     seconds: dict[str, float] = {}
     clock = time.perf_counter()
+    verifying = config.export.verify if verify is None else verify
+    steps = bar("export", 4 if verifying else 3, "steps")
 
     def lap(step: str) -> None:
         nonlocal clock
         now = time.perf_counter()
         seconds[step] = round(now - clock, 1)
         clock = now
+        steps.set_postfix_str(f"{step} done", refresh=False)
+        steps.update()
 
     # Verify in a staging root, then publish by rename: TF Serving never sees an unverified
     # version. All three models are verified before any is published.
@@ -321,7 +327,7 @@ def export(
         )
         fault_point("export:staged", staging)
         lap("savedmodels")
-        if config.export.verify if verify is None else verify:
+        if verifying:
             report = verify_export(
                 model, staged, config.export.tolerance, max_k=config.export.top_k
             )
@@ -349,6 +355,7 @@ def export(
             record_checksums(workdir.root / "export", name, version)
             fault_point("export:published-one")
     finally:
+        steps.close()
         shutil.rmtree(staging, ignore_errors=True)
     # models.config keeps its champion/challenger labels (conductor.promotion moves them), and
     # versions beyond export.keep_versions go, except the labelled ones and this one.
@@ -372,7 +379,7 @@ def export(
         },
     )
     log.info("export: seconds per step %s", seconds)
-    if config.export.verify if verify is None else verify:
+    if verifying:
         check_serving(workdir.root)  # what TF Serving loads, not only what was just staged
     return ExportResult(version, models, embeddings, report)
 

@@ -30,6 +30,7 @@ from threadpoolctl import threadpool_limits
 
 from recsys.core import schema
 from recsys.core.config import EvaluationConfig
+from recsys.core.progress import bar
 from recsys.item_tokens import PAD
 from recsys.topk import top_k_columns
 
@@ -283,8 +284,14 @@ class EvalResult:
         pq.write_table(pa.table(columns), path)
 
 
-def evaluate(score_fn: ScoreFn, data: EvalSet, config: EvaluationConfig) -> EvalResult:
-    """Rank every catalog item for every evaluation user and compute the metrics."""
+def evaluate(
+    score_fn: ScoreFn, data: EvalSet, config: EvaluationConfig, progress: str | None = None
+) -> EvalResult:
+    """Rank every catalog item for every evaluation user and compute the metrics.
+
+    `progress` labels a bar of users ranked (recsys.core.progress: shown by the CLI only);
+    None, as for the per-epoch validation, shows none.
+    """
     n = len(data.users)
     ranks = np.full(n, np.inf)
     covered = np.zeros(data.num_items, dtype=bool)
@@ -312,13 +319,20 @@ def evaluate(score_fn: ScoreFn, data: EvalSet, config: EvaluationConfig) -> Eval
 
     starts = range(0, n, batch)
     threads = min(threads, len(starts))
-    if threads > 1:
-        # Our threads already fill the cores: BLAS threads inside each product only contend
-        # (one BLAS thread each: 1.6x faster on 2 cores, identical products).
-        with threadpool_limits(1, user_api="blas"), ThreadPoolExecutor(threads) as pool:
-            results = list(pool.map(one_batch, starts))
-    else:
-        results = [one_batch(start) for start in starts]
+    ranked = bar(progress or "", n, "users", show=None if progress else False)
+    results = []
+    with ranked:
+        if threads > 1:
+            # Our threads already fill the cores: BLAS threads inside each product only contend
+            # (one BLAS thread each: 1.6x faster on 2 cores, identical products).
+            with threadpool_limits(1, user_api="blas"), ThreadPoolExecutor(threads) as pool:
+                for result in pool.map(one_batch, starts):
+                    ranked.update(len(result[0]))
+                    results.append(result)
+        else:
+            for start in starts:
+                results.append(one_batch(start))
+                ranked.update(len(results[-1][0]))
     for rows, batch_ranks, best in results:
         ranks[rows] = batch_ranks
         if best is not None:

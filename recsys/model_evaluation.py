@@ -20,7 +20,7 @@ from recsys.model import TrainedModel
 
 
 def evaluate_model(
-    config: RecsysConfig, model_dir: Path, data_dir: Path
+    config: RecsysConfig, model_dir: Path, data_dir: Path, progress: str = "evaluate"
 ) -> tuple[ev.EvalSet, ev.EvalResult]:
     """A saved model on data_dir's test split: (EvalSet, EvalResult), exact over the catalog.
 
@@ -28,7 +28,8 @@ def evaluate_model(
     with their positions before it (the model keeps its last `history_length`), the user's
     train and validation items are excluded. With `evaluation.sample_users` a seeded uniform
     sample of the test examples (the same for every model scored on the same data, so
-    comparisons stay paired) is ranked.
+    comparisons stay paired) is ranked. `progress` labels the bar of users ranked (shown by
+    the CLI only).
     """
     model = TrainedModel.load(model_dir)
     # Item ids become the model's indices inside tf.data: no Python string per position.
@@ -41,7 +42,7 @@ def evaluate_model(
     histories = examples.histories(sequences.items, model.config.history_length)
     user_vectors = query_vectors(model, eval_set.users, histories)
     scores = ev.dot_product_scores(user_vectors, model.item_embeddings())
-    return eval_set, ev.evaluate(scores, eval_set, config.evaluation)
+    return eval_set, ev.evaluate(scores, eval_set, config.evaluation, progress)
 
 
 def query_vectors(

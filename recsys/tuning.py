@@ -21,6 +21,7 @@ import json
 import logging
 import os
 import time
+from collections.abc import Sequence
 from contextlib import suppress
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -44,6 +45,7 @@ from recsys.core.config import (
 )
 from recsys.core.errors import DataError, OutOfMemoryError, StageFailedError, TrackingError
 from recsys.core.layout import DataFile
+from recsys.core.progress import bar
 from recsys.model.defaults import DataShape, resolve_schedule
 from recsys.model.defaults import resolve as resolve_auto
 from recsys.tracking import runs as tracking
@@ -222,11 +224,13 @@ def tune(
     timeout_seconds: float | None = None,
     base_yaml: dict[str, Any] | None = None,
     run_date: dt.date | None = None,
+    callbacks: Sequence[tf.keras.callbacks.Callback] = (),
 ) -> TuneResult:
     """Search `config.tune.space` on data_dir's validation split; write the winner to `output`.
 
     `base_yaml` is the config file as written (the output keeps its layout and data section);
     by default the whole validated config is written. The test split is never read.
+    `callbacks` are given to every trial's training (a progress bar).
     """
     stats = json.loads((Path(data_dir) / DataFile.STATS).read_text())
     if not int(stats.get("splits", {}).get("validation", 0)):
@@ -254,15 +258,23 @@ def tune(
     # Optuna's timeout only keeps new trials from starting; the deadline also ends the running
     # trial after its current epoch, so a search overruns its budget by one epoch at most.
     deadline = None if timeout_seconds is None else time.monotonic() + timeout_seconds
-    objective = _Objective(config, Path(data_dir), client, experiment_id, parent, deadline)
+    objective = _Objective(
+        config, Path(data_dir), client, experiment_id, parent, deadline, list(callbacks)
+    )
     start = time.perf_counter()
     status = RunStatus.FAILED
     try:
         skipped = _enqueue_baseline(config, stats, study, client, parent)
         # An out-of-memory trial (too big a batch) fails alone; the search goes on.
-        study.optimize(
-            objective, n_trials=trials, timeout=timeout_seconds, catch=(OutOfMemoryError,)
-        )
+        with bar("tune", trials, "trials") as done:
+
+            def finished(_study: optuna.Study, _trial: optuna.trial.FrozenTrial) -> None:
+                done.update()
+
+            study.optimize(
+                objective, n_trials=trials, timeout=timeout_seconds, catch=(OutOfMemoryError,),
+                callbacks=[finished],
+            )  # fmt: skip
         result = _finish(config, study, client, parent, experiment, output, base_yaml)
         result.seconds = time.perf_counter() - start
         result.baseline_skipped = skipped
@@ -357,10 +369,12 @@ class _Objective:
         experiment_id: str,
         parent: str,
         deadline: float | None = None,
+        callbacks: list[tf.keras.callbacks.Callback] | None = None,
     ) -> None:
         self.config, self.data_dir = config, data_dir
         self.client, self.experiment_id, self.parent = client, experiment_id, parent
         self.deadline = deadline
+        self.callbacks = callbacks or []
 
     def __call__(self, trial: optuna.Trial) -> float:
         params = suggest(trial, self.config.tune.space)
@@ -384,7 +398,7 @@ class _Objective:
         log.info("trial %d: %s", trial.number, params)
         state, status = "failed", RunStatus.FAILED
         try:
-            result = train(settings, self.data_dir, callbacks=[reporter])
+            result = train(settings, self.data_dir, callbacks=[reporter, *self.callbacks])
             value = _trial_value(settings, reporter.values)
             with tracking.bounded_http_retries():
                 self.client.log_metric(run_id, f"validation_{self.config.tune.metric}", value)

@@ -92,7 +92,7 @@ def mlflow_server(
         _wait_healthy(proc, uri, log, timeout_s)
         yield MlflowServer(uri, root, artifacts, log, time.monotonic() - started)
     finally:
-        _stop_group(proc)
+        stop_group(proc)
 
 
 # Job execution adds a job runner and huey consumers (~15 processes); tests need none of them.
@@ -120,7 +120,8 @@ def _wait_healthy(proc: subprocess.Popen[bytes], uri: str, log: Path, timeout_s:
     )
 
 
-def _stop_group(proc: subprocess.Popen[bytes]) -> None:
+def stop_group(proc: subprocess.Popen[bytes]) -> None:
+    """Stop a process started with start_new_session=True and all its children."""
     # The server is its session's leader, so its pid is the process group id.
     for sig, grace_s in ((signal.SIGTERM, 15.0), (signal.SIGKILL, 5.0)):
         try:

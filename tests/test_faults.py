@@ -236,7 +236,13 @@ def test_killed_between_export_and_mlflow(
 ) -> None:
     config, work = _config(tmp_path, server.uri, "fault-mlflow"), _seeded(tmp_path, reference)
     _finish(_start(config, work, fault="publish:before:kill"), expect=-signal.SIGKILL)
-    assert MlflowClient(server.uri).get_experiment_by_name("fault-mlflow") is None
+    client = MlflowClient(server.uri)
+    # Training logged its epochs to the night's run as they ended; nothing was published.
+    experiment = client.get_experiment_by_name("fault-mlflow")
+    assert experiment is not None
+    (run,) = client.search_runs([experiment.experiment_id])
+    assert "recsys.logged" not in run.data.tags and "loss" in run.data.metrics
+    assert client.search_registered_models("name = 'fault-mlflow'") == []
     _, err = _finish(_start(config, work))
     assert "stage 4/5 export: already done" in err
     _assert_like_reference(work, reference["outputs"])

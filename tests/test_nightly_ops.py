@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import datetime as dt
-import io
 import json
 import os
 import socket
@@ -25,7 +24,6 @@ from conductor.nightly import (
     backfill,
     write_summary,
 )
-from conductor.progress import Progress
 from recsys.core.errors import ConfigError, WorkdirLockedError
 from recsys.core.layout import Workdir, clean_temporaries, mark_stage, parse_date, stage_info
 
@@ -144,37 +142,6 @@ def test_temporaries_of_killed_writers_are_removed(tmp_path: Path) -> None:
         path.mkdir(parents=True)
     assert sorted(clean_temporaries(tmp_path)) == sorted(leftovers)
     assert all(p.is_dir() for p in kept)
-
-
-class _Terminal(io.StringIO):
-    def isatty(self) -> bool:
-        return True
-
-
-def test_progress_plain_lines_have_counts_and_eta() -> None:
-    stream = io.StringIO()
-    progress = Progress("train", 100, "steps", stream=stream, interval=3600)
-    for done in range(1, 101):
-        progress.update(done)
-    progress.finish("3 epochs")
-    lines = stream.getvalue().splitlines()
-    # One line per quarter, then the final line: short cron logs (no ETA from the first
-    # steps, which include tracing).
-    assert 4 <= len(lines) <= 6
-    assert "train: 25/100 steps (25%)" in lines[0] and "ETA" in lines[0]
-    assert "\r" not in stream.getvalue()
-    assert lines[-1].split(" ", 1)[1].startswith("train: 100/100 steps (100%)")
-    assert lines[-1].endswith("; 3 epochs")
-
-
-def test_progress_on_a_terminal_redraws_one_line() -> None:
-    stream = _Terminal()
-    progress = Progress("evaluate", None, "users", stream=stream)
-    progress.update(10)
-    progress.finish()
-    text = stream.getvalue()
-    assert text.startswith("\r\033[K") and "evaluate: 10 users" in text
-    assert text.count("\n") == 1
 
 
 def test_default_date_is_yesterday_in_the_configured_zone() -> None:

@@ -40,9 +40,9 @@ from recsys.core.redact import (
 from recsys.tracking.runs import redacted_text_file
 from tests.mlflow_server import (
     MlflowServer,
-    _stop_group,
     _wait_healthy,
     free_port,
+    stop_group,
 )
 from tests.test_tracking_registry import PER_USER, fake_run
 
@@ -126,7 +126,7 @@ def test_start_server_script_listens_on_loopback_only(tmp_path: Path) -> None:
         _wait_healthy(proc, f"http://127.0.0.1:{port}", log, timeout_s=150)
         addresses = _listening(inodes=_socket_inodes_of_group(proc.pid))
     finally:
-        _stop_group(proc)
+        stop_group(proc)
     # Non-empty first: the check must have found the server's socket to mean anything.
     assert addresses, f"no listening socket found for the server's process group: {log}"
     assert all(_is_loopback(a) for a in addresses), addresses

@@ -130,7 +130,7 @@ def test_first_run_is_logged_registered_and_champion(
     assert json.loads(Path(logged).read_text())["files"]["items"]["rows"] == 2
 
     version = client.get_model_version("reg-first", "1")
-    assert version.run_id == run.info.run_id and version.source.endswith("/savedmodels")
+    assert version.run_id == run.info.run_id and version.source.endswith("/mlflow_model")
     model = client.get_registered_model("reg-first")
     assert model.aliases == {"champion": "1", "challenger": "1"}
 
@@ -186,6 +186,33 @@ def test_force_promote_overrides_a_kept_gate_and_is_recorded(
     assert "FORCED" in tags["gate.reasons"]
     gate = json.loads((run_dir / "gate.json").read_text())
     assert gate["forced"] is True and gate["champion_version"] == "1"
+
+
+def test_publishing_over_a_champion_registered_before_mlflow_models_warns(
+    server: MlflowServer,
+    small_config: RecsysConfig,
+    tmp_path: Path,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A champion whose source is the old `savedmodels/` folder: MLflow cannot load it, so the
+    publish says why (and what to do); the new version is an MLflow Model."""
+    config = configured(small_config, server.uri, "reg-legacy")
+    workdir = Workdir(tmp_path)
+    first = publish_run(config, workdir, DATE, fake_run(workdir, config, DATE, PER_USER))
+    client = MlflowClient(server.uri)
+    artifacts = client.get_run(first.mlflow_run_id).info.artifact_uri
+    legacy = client.create_model_version(
+        "reg-legacy", f"{artifacts}/{registry.SAVEDMODELS}", run_id=first.mlflow_run_id
+    )
+    registry.set_alias(client, "reg-legacy", registry.CHAMPION, legacy.version)
+    later = dt.date(2026, 1, 6)
+    run_dir = fake_run(workdir, config, later, PER_USER, fingerprint="fp-2")
+    with caplog.at_level("WARNING", logger="conductor.promotion"):
+        result = publish_run(config, workdir, later, run_dir)
+    assert f"version {legacy.version} of reg-legacy was registered before" in caplog.text
+    assert "--force-promote" in caplog.text
+    new = client.get_model_version("reg-legacy", result.version)
+    assert registry.legacy_reason("reg-legacy", new) is None
 
 
 def test_alias_moves(server: MlflowServer, small_config: RecsysConfig, tmp_path: Path) -> None:

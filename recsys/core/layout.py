@@ -81,6 +81,8 @@ class RunFile(StrEnum):
     SUMMARY = "summary.md"
     PENDING = "mlflow_pending.json"
     GATE = "gate.json"
+    # Written at publish: the retrieval SavedModel as an MLflow Model, the registered version.
+    MLFLOW_MODEL = "mlflow_model"
 
 
 class ModelFile(StrEnum):

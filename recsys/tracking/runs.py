@@ -111,7 +111,7 @@ def log_nightly_run(
     be recorded; inputs are checked before anything is written.
     """
     uri = tracking_uri or resolve_tracking_uri(config, workdir)
-    run_tags = _run_tags(config, run_date, stats, tags or {})
+    run_tags = nightly_run_tags(config, run_date, stats, tags or {})
     params = [Param(k, _param_value(v, k)) for k, v in config.flat().items()]
     metric_list = _metric_list(history, metrics)
     _check_artifacts(artifacts)
@@ -120,12 +120,8 @@ def log_nightly_run(
         client = connect(config, workdir, uri)
         with bounded_http_retries():
             experiment_id = ensure_experiment(client, experiment, uri, workdir)
-            run_name = f"nightly-{run_date.isoformat()}"
-            run_id = find_nightly_run(client, experiment_id, run_tags)
-            if run_id is None:
-                created = client.create_run(experiment_id, tags=run_tags, run_name=run_name)
-                run_id = created.info.run_id
-            elif client.get_run(run_id).data.tags.get(LOGGED_TAG) == "true":
+            run_id, logged = nightly_run(client, experiment_id, run_tags, run_date)
+            if logged:
                 return run_id  # already complete: a rerun changes nothing
             _record_run(
                 client, run_id, run_tags, params, metric_list, stats, artifacts,
@@ -136,18 +132,39 @@ def log_nightly_run(
         raise tracking_error(uri, workdir, exc) from None
 
 
+def nightly_run(
+    client: MlflowClient, experiment_id: str, run_tags: Mapping[str, str], run_date: dt.date
+) -> tuple[str, bool]:
+    """The run of these identity tags, found or created, and whether it is completely logged.
+
+    Training opens it to log each epoch as it ends (recsys.tracking.live); publishing finds
+    the same run and completes it.
+    """
+    run_id = find_nightly_run(client, experiment_id, run_tags)
+    if run_id is None:
+        created = client.create_run(
+            experiment_id, tags=dict(run_tags), run_name=f"nightly-{run_date.isoformat()}"
+        )
+        return created.info.run_id, False
+    return run_id, client.get_run(run_id).data.tags.get(LOGGED_TAG) == "true"
+
+
 def experiment_name(config: RecsysConfig) -> str:
     """The MLflow experiment of a model's nightly runs: tracking.experiment, else model_name."""
     return config.tracking.experiment or config.model_name
 
 
-def connect(config: RecsysConfig, workdir: Path, uri: str | None = None) -> MlflowClient:
-    """A client for the run's tracking store; a server is probed first (retries with backoff)."""
+def connect(
+    config: RecsysConfig, workdir: Path, uri: str | None = None, attempts: int | None = None
+) -> MlflowClient:
+    """A client for the run's tracking store; a server is probed first (`attempts` tries with
+    backoff, default `tracking.retries`)."""
     uri = uri or resolve_tracking_uri(config, workdir)
     if uri == default_tracking_uri(workdir):
         ensure_local_store(workdir)
     if uri.startswith(("http://", "https://")):
-        wait_for_server(uri, workdir, config.tracking.retries, config.tracking.backoff_seconds)
+        tries = attempts or config.tracking.retries
+        wait_for_server(uri, workdir, tries, config.tracking.backoff_seconds)
     return MlflowClient(tracking_uri=uri)
 
 
@@ -267,7 +284,7 @@ def record_ab_metric(
     One MLflow run per (experiment, variant), reused on every call; each value is a new step of
     the metric, so a series of daily observations reads as a curve next to the offline runs.
     """
-    key = _metric_key(metric)
+    key = metric_key(metric)
     number = _as_float(key, value)
     uri = resolve_tracking_uri(config, workdir)
     tags = {"ab.experiment": experiment, "ab.variant": variant, "model_name": config.model_name}
@@ -324,9 +341,10 @@ def bounded_http_retries() -> Iterator[None]:
             os.environ[_SUPPRESS_URL] = printing
 
 
-def _run_tags(
+def nightly_run_tags(
     config: RecsysConfig, run_date: dt.date, stats: Mapping[str, Any], extra: dict[str, str]
 ) -> dict[str, str]:
+    """A nightly run's tags: its identity (date, config digest, data fingerprint) and context."""
     if "fingerprint" not in stats:
         raise TrackingError(
             "stats has no 'fingerprint' (the Beam job's stats.json writes one): "
@@ -351,7 +369,8 @@ def _param_value(value: Any, key: str = "") -> str:
     return value if isinstance(value, str) else json.dumps(value)
 
 
-def _metric_key(name: str) -> str:
+def metric_key(name: str) -> str:
+    """`name` as an MLflow metric key (`@` -> `_at_`); TrackingError if MLflow rejects it."""
     key = name.replace("@", "_at_")
     if not _VALID_METRIC.match(key) or ".." in key or key.startswith("/"):
         raise TrackingError(
@@ -363,8 +382,8 @@ def _metric_key(name: str) -> str:
 
 def _metric_list(history: dict[str, list[float]], final: dict[str, float]) -> list[Metric]:
     now = int(time.time() * 1000)
-    per_epoch = {_metric_key(name): values for name, values in history.items()}
-    finals = {_metric_key(name): value for name, value in final.items()}
+    per_epoch = {metric_key(name): values for name, values in history.items()}
+    finals = {metric_key(name): value for name, value in final.items()}
     clash = sorted(per_epoch.keys() & finals.keys())
     if clash:
         # One key would hold both a curve and a final value, and MLflow's "latest" would be
