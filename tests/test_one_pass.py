@@ -246,3 +246,29 @@ def test_refit_continue_trains_the_first_fit_on_the_held_back_positions(
     first = result.evaluation_model.query_tower.get_weights()
     served = result.model.query_tower.get_weights()
     assert any(np.abs(a - b).max() > 0 for a, b in zip(first, served, strict=True))
+
+
+def test_a_transformer_saved_before_relative_positions_loads_as_it_was_trained(
+    tmp_path: Path,
+) -> None:
+    tf.keras.utils.set_random_seed(5)
+    config = ModelConfig(
+        query_encoder="transformer",
+        encoder_positions="absolute",
+        history_length=LENGTH,
+        embedding_dim=8,
+        item_features=False,
+    )
+    model = TrainedModel.build(USERS, ITEMS, config)
+    model.save(tmp_path / "old")
+    saved = json.loads((tmp_path / "old" / "model.json").read_text())
+    del saved["encoder_positions"]  # what a model saved before the setting existed holds
+    (tmp_path / "old" / "model.json").write_text(json.dumps(saved))
+    loaded = TrainedModel.load(tmp_path / "old")
+    assert loaded.config.encoder_positions == "absolute"
+    histories = [["i1", "i4", "i2"], []]
+    np.testing.assert_allclose(
+        loaded.user_embeddings(["u1", "u2"], histories),
+        model.user_embeddings(["u1", "u2"], histories),
+        atol=1e-6,
+    )
