@@ -192,6 +192,15 @@ def check_reconciled(stats: dict[str, Any]) -> None:
     and the sequence records hold every accepted row once (positions counted as written).
     """
     used = sum(stats["splits"].values()) + stats["rejected"] + stats["duplicates"]
+    for key in (INPUT_LINES, INPUT_ROWS):
+        if stats[key] != used:
+            raise ReconciliationError(
+                f"stats do not reconcile: {key}={stats[key]} but accepted "
+                f"{stats['accepted']} (splits {stats['splits']}) + rejected "
+                f"{stats['rejected']} + duplicates {stats['duplicates']} = {used}: "
+                f"{abs(stats[key] - used)} line(s) not accounted for; nothing was published. "
+                "This is a bug in beam_jobs: please report it with the input that triggers it"
+            )
     sequences = stats["sequences"]
     if sequences["positions"] != stats["accepted"] or sequences["users"] != sum(
         sequences["users_by_length"].values()
@@ -203,15 +212,6 @@ def check_reconciled(stats: dict[str, Any]) -> None:
             "nothing was published. This is a bug in beam_jobs: please report it with the "
             "input that triggers it"
         )
-    for key in (INPUT_LINES, INPUT_ROWS):
-        if stats[key] != used:
-            raise ReconciliationError(
-                f"stats do not reconcile: {key}={stats[key]} but accepted "
-                f"{stats['accepted']} (splits {stats['splits']}) + rejected "
-                f"{stats['rejected']} + duplicates {stats['duplicates']} = {used}: "
-                f"{abs(stats[key] - used)} line(s) not accounted for; nothing was published. "
-                "This is a bug in beam_jobs: please report it with the input that triggers it"
-            )
 
 
 def write_stats(_: Any, out_dir: str, **parts: Any) -> dict[str, Any]:

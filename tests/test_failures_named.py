@@ -200,7 +200,7 @@ def test_an_empty_shard_is_bad_input_exit_3(trained_workdir: tuple, tmp_path: Pa
     config, work = trained_workdir
     damaged = tmp_path / "work"
     shutil.copytree(work, damaged)
-    shard = next((damaged / "data" / SMALL_DATE).glob("train-*.tfrecord.gz"))
+    shard = next((damaged / "data" / SMALL_DATE).glob("sequences-*.tfrecord.gz"))
     shard.write_bytes(b"")
     code, err = _cli("train", "--config", str(config), "--workdir", str(damaged),
                      "--date", SMALL_DATE)  # fmt: skip

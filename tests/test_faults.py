@@ -281,7 +281,7 @@ def test_disk_full_during_export_keeps_serving_the_previous_version(
 
 def test_a_corrupt_shard_is_named(reference: dict, server: MlflowServer, tmp_path: Path) -> None:
     config, work = _config(tmp_path, server.uri, "fault-corrupt"), _seeded(tmp_path, reference)
-    shard = sorted((work / "data" / DATE).glob("train-*"))[0]
+    shard = sorted((work / "data" / DATE).glob("sequences-*"))[0]
     raw = bytearray(shard.read_bytes())
     raw[len(raw) // 2 : len(raw) // 2 + 64] = b"\xff" * 64
     shard.write_bytes(bytes(raw))

@@ -251,17 +251,23 @@ def test_auto_schedule_is_cosine_when_users_have_more_events_than_the_window() -
     assert resolve_schedule(config, DataShape(items=10, events_per_user=106.0)) == (config, [])
 
 
-def test_warm_start_copies_the_encoder_and_maps_item_rows() -> None:
+@pytest.mark.parametrize("positions", ["absolute", "relative"])
+def test_warm_start_copies_the_encoder_and_maps_item_rows(positions: str) -> None:
     tf.keras.utils.set_random_seed(5)
-    old = TrainedModel.build(USERS, ITEMS, TRANSFORMER)
-    longer = TRANSFORMER.model_copy(update={"history_length": LENGTH + 2})
+    base = TRANSFORMER.model_copy(update={"encoder_positions": positions})
+    old = TrainedModel.build(USERS, ITEMS, base)
+    longer = base.model_copy(update={"history_length": LENGTH + 2})
     new = TrainedModel.build(USERS, ["new", *ITEMS[::-1]], longer)
+    if positions == "relative":  # a trained bias, so that copying it is visible
+        for block in old.query_tower.encoder.blocks:
+            block.attention.distance_bias.assign(tf.random.normal([1, LENGTH]))
     copied = warm_start(new, old)
     assert copied["items"] == len(ITEMS) and copied["encoder_positions"] == LENGTH
     enc, old_enc = new.query_tower.encoder, old.query_tower.encoder
-    np.testing.assert_array_equal(enc.positions.numpy()[-LENGTH:], old_enc.positions.numpy())
-    for a, b in zip(enc.blocks[1].get_weights(), old_enc.blocks[1].get_weights(), strict=True):
-        np.testing.assert_array_equal(a, b)
+    if positions == "absolute":
+        np.testing.assert_array_equal(enc.positions.numpy()[-LENGTH:], old_enc.positions.numpy())
+        for a, b in zip(enc.blocks[1].get_weights(), old_enc.blocks[1].get_weights(), strict=True):
+            np.testing.assert_array_equal(a, b)
     # The same history of item ids gives the same vector (the positions it uses are mapped).
     history = [["i3", "i7", "i1"]]
     np.testing.assert_allclose(

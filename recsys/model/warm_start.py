@@ -126,9 +126,12 @@ def copy_encoder(encoder: Encoder, old: Encoder) -> int:
     if isinstance(encoder, GRUEncoder):
         _copy_matching([encoder.gru, encoder.norm], [old.gru, old.norm])
         return 0
-    _copy_matching([*encoder.blocks, encoder.norm], [*old.blocks, old.norm])
+    if (encoder.positions is None) != (old.positions is None):
+        _copy_matching([encoder.norm], [old.norm])
+        return 0  # absolute and relative positions: the blocks attend differently
     if encoder.positions is None or old.positions is None:
-        return 0  # relative positions: the distance biases are copied with the blocks
+        return _copy_relative_blocks(encoder, old)
+    _copy_matching([*encoder.blocks, encoder.norm], [*old.blocks, old.norm])
     new, previous = encoder.positions, old.positions.numpy()
     if new.shape[1] != previous.shape[1]:
         return 0
@@ -137,3 +140,20 @@ def copy_encoder(encoder: Encoder, old: Encoder) -> int:
     value[-rows:] = previous[-rows:]
     new.assign(value)
     return rows
+
+
+def _copy_relative_blocks(encoder: TransformerEncoder, old: TransformerEncoder) -> int:
+    """Blocks and final norm of relative-position encoders; each attention's bias per distance
+    keeps the shortest min(L, L_old) distances. Returns how many distances were copied."""
+    _copy_matching([encoder.norm], [old.norm])
+    distances = 0
+    for block, old_block in zip(encoder.blocks, old.blocks, strict=False):
+        for weight, previous in zip(block.weights, old_block.weights, strict=True):
+            if weight.shape == previous.shape:
+                weight.assign(previous)
+            elif weight is block.attention.distance_bias:
+                distances = min(weight.shape[1], previous.shape[1])
+                value = weight.numpy()
+                value[:, :distances] = previous.numpy()[:, :distances]
+                weight.assign(value)
+    return distances
