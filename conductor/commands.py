@@ -55,8 +55,6 @@ def dispatch(args: argparse.Namespace, config: RecsysConfig, date: dt.date) -> i
             "TF_CONFIG names this process a non-chief worker: run `recsys nightly` on the "
             "chief only and `recsys train` with the same --config/--date on the other workers"
         )
-    if _uses_tracking(args):
-        check_tracking_store(config, workdir.root)  # nightly, backfill and sync check their own
     # A non-chief multi-worker `train` writes nothing here, and must not wait for the chief.
     if (
         args.command in _WRITERS
@@ -65,6 +63,8 @@ def dispatch(args: argparse.Namespace, config: RecsysConfig, date: dt.date) -> i
     ):
         with WorkdirLock(workdir.root, command=f"recsys {args.command}"):
             clean_temporaries(workdir.root)  # what a killed command left (as nightly does)
+            if _uses_tracking(args):  # nightly, backfill and sync check their own
+                check_tracking_store(config, workdir.root)
             return _run_stage(args, config, workdir, date)
     return _run_stage(args, config, workdir, date)
 
