@@ -47,6 +47,7 @@ from recsys.core.layout import (
 from recsys.core.redact import redact_tree
 from recsys.model import TrainedModel
 from recsys.model_evaluation import evaluate_model
+from recsys.serving_state import champion_record
 from recsys.synthetic import items_path, write_csv, write_items_csv
 from recsys.training.result import TrainResult
 from recsys.training.trainer import IncrementalStart, is_chief, write_dir
@@ -357,11 +358,13 @@ def export(
             fault_point("export:published-one")
     finally:
         shutil.rmtree(staging, ignore_errors=True)
-    # models.config keeps its champion/challenger labels (conductor.promotion moves them), and
-    # versions beyond export.keep_versions go, except the labelled ones and this one.
+    # models.config keeps its champion/challenger labels (recsys.serving_state moves them),
+    # and versions beyond export.keep_versions go, except the served ones and this one.
+    champion = champion_record(workdir).get("export_version")
     serving = finish_publish(
-        workdir.export_root(), workdir.embeddings_root(), models, version, config.export
-    )
+        workdir.export_root(), workdir.embeddings_root(), models, version, config.export,
+        keep=[int(champion)] if champion and str(champion).isdigit() else [],
+    )  # fmt: skip
     embeddings = {
         kind: workdir.embeddings(version) / f"{kind}.parquet" for kind in ("items", "users")
     }

@@ -44,7 +44,7 @@ class ServingState:
 
 
 def derive_serving_state(client: MlflowClient, model_name: str) -> ServingState:
-    """models.config's labels and champion.json's record as the registry's aliases imply."""
+    """The labels of models.config and the record of champion.json, as the aliases imply."""
     labels: dict[str, int] = {}
     champion: dict[str, Any] = {}
     problems: list[str] = []

@@ -123,16 +123,18 @@ def finish_publish(
     names: Iterable[str],
     version: int,
     config: ExportConfig,
+    keep: Iterable[int] = (),
 ) -> dict[str, Any]:
     """After a publish: rewrite models.config (labels kept) and prune to export.keep_versions.
 
-    The versions labelled champion/challenger in models.config (set after promotion by
-    conductor.promotion) and the new version are never pruned.
+    The versions labelled champion/challenger in models.config (recsys.serving_state sets
+    them from the registry), those in `keep` (champion.json's) and the new version are never
+    pruned.
     """
     names = list(names)
     labels = read_version_labels(export_root)
     config_path = write_models_config(export_root, names, labels, config.serving_base_path)
-    protect = {*labels.values(), version}
+    protect = {*labels.values(), *(int(v) for v in keep), version}
     pruned = {
         name: prune_versions(Path(export_root) / name, config.keep_versions, protect)
         for name in names

@@ -267,3 +267,24 @@ def test_the_ab_library_imports_only_core_tracking_and_serving_state() -> None:
     allowed = ("recsys.ab", "recsys.core", "recsys.tracking", "recsys.serving_state")
     outside = [m for m in out if m != "recsys" and not m.startswith(allowed)]
     assert outside == [], outside
+
+
+@pytest.mark.parametrize(
+    ("option", "value"),
+    [("--power", "1"), ("--alpha", "0"), ("--alpha", "1"), ("--effect", "nan"),
+     ("--effect", "1e308"), ("--effect", "0"), ("--share", "1")],
+)  # fmt: skip
+def test_plan_arguments_out_of_bounds_are_one_line_exit_2(
+    option: str, value: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from conductor import cli
+
+    frame = sim.event_log(np.random.default_rng(0), users=300, days=3, experiment="exp")
+    path = tmp_path / "traffic.csv"
+    frame.drop(columns=["variant"]).to_csv(path, index=False)
+    args = ["ab", "plan", "--events", str(path), "--workdir", str(tmp_path), option, value]
+    assert cli.main(args) == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    (line,) = [x for x in err.splitlines() if x.startswith("recsys: error:")]
+    assert f"{option} {float(value)!r} must be between" in line

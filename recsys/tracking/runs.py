@@ -259,10 +259,13 @@ def _check_database(uri: str, attempts: int, backoff_seconds: float) -> None:
     try:
         url.get_dialect().import_dbapi()
     except (ImportError, NoSuchModuleError) as exc:
+        installed = (
+            " (e.g. postgresql+psycopg2://...)" if url.get_backend_name() == "postgresql" else ""
+        )
         raise TrackingError(
             f"the MLflow tracking store {redact_credentials(uri)} needs the database driver of "
-            f"{url.drivername!r}, which is not installed ({type(exc).__name__}: {exc}); use "
-            "a driver that is (postgresql:// uses psycopg2) or install it. Nothing was started"
+            f"{url.drivername!r}, which is not installed ({type(exc).__name__}: {exc}); name an "
+            f"installed driver in tracking.uri{installed} or install it. Nothing was started"
         ) from None
     timeout = {"connect_timeout": 10} if url.get_backend_name() in ("postgresql", "mysql") else {}
     engine = create_engine(url, connect_args=timeout, poolclass=NullPool)
