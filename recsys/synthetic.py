@@ -243,6 +243,18 @@ def _taste_table(
     """Rows of drawn (user, item) pairs: each user's times ascending in draw order, ratings."""
     stamp = rng.integers(start, start + span, size=len(user))
     stamp = stamp[np.lexsort((stamp, user))]
+    return _rows_table(config, users, items, user, item, stamp)
+
+
+def _rows_table(
+    config: SyntheticConfig,
+    users: np.ndarray,
+    items: np.ndarray,
+    user: np.ndarray,
+    item: np.ndarray,
+    stamp: np.ndarray,
+) -> pa.Table:
+    """The log's columns for (user, item, time) rows; the rating follows the pair's taste."""
     taste = np.einsum("ij,ij->i", users[user], items[item]) * np.sqrt(config.latent_dim)
     rating = np.clip(np.round(3 + 2 * np.tanh(taste)), 1, 5)
     return pa.table(
@@ -414,17 +426,7 @@ def generate_sessions(config: SyntheticConfig) -> Iterator[pa.Table]:
         item, session = _session_items(config, topics, affinity, user, rng)
         order, stamp = _timestamps(user, session, start, max(span, 1), rng)
         user, item = user[order], item[order]
-        d = config.latent_dim
-        taste = np.einsum("ij,ij->i", users[user], items[item]) * np.sqrt(d)
-        rating = np.clip(np.round(3 + 2 * np.tanh(taste)), 1, 5)
-        yield pa.table(
-            {
-                "user_id": _prefixed("u", user),
-                "item_id": _prefixed("i", item),
-                "timestamp": pa.array(stamp, pa.int64()),
-                "weight": pa.array(rating, pa.float64()),
-            }
-        )
+        yield _rows_table(config, users, items, user, item, stamp)
         progress.update(int(ids[-1]) + 1, len(user))
 
 

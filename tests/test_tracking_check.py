@@ -8,7 +8,6 @@ instead of four stages of work followed by a traceback.
 from __future__ import annotations
 
 import datetime as dt
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -18,7 +17,7 @@ from conductor import cli
 from recsys.core.config import parse_config
 from recsys.core.layout import RunFile, Workdir
 from tests.conftest import SMALL, SMALL_DATE
-from tests.postgres_server import PASSWORD, PostgresServer, find_bin, postgres_server
+from tests.postgres_server import PASSWORD, PostgresServer
 from tests.test_tracking_registry import PER_USER, fake_run
 
 WRONG = "wrong-pw-4567"
@@ -38,15 +37,20 @@ def _config(tmp_path: Path, uri: str) -> Path:
     return path
 
 
+def _nightly(config: Path, work: Path, capsys: pytest.CaptureFixture[str]) -> tuple[int, str]:
+    """(exit code, stderr) of `recsys nightly` on SMALL's date."""
+    code = cli.main(["nightly", "--config", str(config), "--workdir", str(work),
+                     "--date", SMALL_DATE])  # fmt: skip
+    return code, capsys.readouterr().err
+
+
 def test_a_missing_database_driver_stops_the_night_before_its_first_stage(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     # SQLAlchemy's plain postgresql:// means psycopg 3, which is not installed (psycopg2 is).
     config = _config(tmp_path, f"postgresql://mlflow:{WRONG}@127.0.0.1:9/mlflow")
     work = tmp_path / "work"
-    code = cli.main(["nightly", "--config", str(config), "--workdir", str(work),
-                     "--date", SMALL_DATE])  # fmt: skip
-    err = capsys.readouterr().err
+    code, err = _nightly(config, work, capsys)
     line = _error_line(err)
     assert code == 6
     assert "No module named 'psycopg'" in line and "postgresql+psycopg2://" in line
@@ -55,23 +59,12 @@ def test_a_missing_database_driver_stops_the_night_before_its_first_stage(
     assert not (work / "data").exists() and not (work / "raw").exists()
 
 
-@pytest.fixture(scope="module")
-def postgres() -> Iterator[PostgresServer]:
-    bin_dir, why = find_bin()
-    if bin_dir is None:
-        pytest.skip(why)
-    with postgres_server(bin_dir) as server:
-        yield server
-
-
 def test_a_wrong_password_stops_the_night_before_its_first_stage(
     postgres: PostgresServer, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     config = _config(tmp_path, postgres.uri.replace(PASSWORD, WRONG))
     work = tmp_path / "work"
-    code = cli.main(["nightly", "--config", str(config), "--workdir", str(work),
-                     "--date", SMALL_DATE])  # fmt: skip
-    err = capsys.readouterr().err
+    code, err = _nightly(config, work, capsys)
     line = _error_line(err)
     assert code == 6
     assert "password authentication failed" in line and f"127.0.0.1:{postgres.port}" in line
