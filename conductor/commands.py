@@ -143,9 +143,9 @@ def _run_stage(
     elif args.command == "compare":
         _compare(args, config, workdir)
     elif args.command == "repair":
-        report = repair(config, workdir, check=args.check)
-        print(format_repair(report, args.check))
-        error = drift_error(report, args.check)
+        repaired = repair(config, workdir, check=args.check)
+        print(format_repair(repaired, args.check))
+        error = drift_error(repaired, args.check)
         if error is not None:
             raise error
     elif args.command == "embeddings":

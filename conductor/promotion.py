@@ -272,7 +272,9 @@ def move_challenger(
 def _run_date(client: MlflowClient, version: ModelVersion) -> str:
     """The run date of a registered version (its tag, else its run's tag; '' if neither)."""
     date = (version.tags or {}).get("run_date")
-    return date or client.get_run(version.run_id).data.tags.get("run_date", "")
+    if date or version.run_id is None:
+        return date or ""
+    return client.get_run(version.run_id).data.tags.get("run_date", "")
 
 
 def _gate_against(

@@ -52,7 +52,7 @@ def derive_serving_state(client: MlflowClient, model_name: str) -> ServingState:
         version = registry.alias_version(client, model_name, alias)
         if version is None:
             continue
-        tags = client.get_run(version.run_id).data.tags
+        tags = client.get_run(version.run_id).data.tags if version.run_id else {}
         export = tags.get(MODEL_VERSION_TAG, "")
         if export.isdigit():
             labels[alias] = int(export)

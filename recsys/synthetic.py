@@ -303,7 +303,7 @@ def _successive_draws(
         taken_items.append(item[fits])
         need -= np.bincount(row[fits], minlength=rows)
     for r in np.flatnonzero(need):
-        extra = _gumbel_rest(logits[r], r, need[r], taken_rows, taken_items, rng)
+        extra = _gumbel_rest(logits[r], int(r), int(need[r]), taken_rows, taken_items, rng)
         taken_rows.append(np.full(len(extra), r))
         taken_items.append(extra)
     row, item = np.concatenate(taken_rows), np.concatenate(taken_items)
