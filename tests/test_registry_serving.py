@@ -200,8 +200,8 @@ def rerun(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     work, config = root / "work", write_config(root, "c")
     args = ["--config", str(config), "--workdir", str(work), "--date", SMALL_DATE]
     assert run("nightly", *args).code == 0
-    shard = next((work / "data" / SMALL_DATE).glob("train-*.tfrecord.gz"))
-    shard.write_bytes(b"")
+    for shard in (work / "data" / SMALL_DATE).glob("*.tfrecord.gz"):
+        shard.write_bytes(b"")  # 0-byte shards, whichever records training reads
     broken = run("nightly", *args, "--rerun-from", "train")
     repaired = run("nightly", *args, "--rerun-from", "preprocess")
     return {"work": work, "broken": broken, "repaired": repaired}
