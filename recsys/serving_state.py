@@ -95,8 +95,17 @@ def write_serving_state(state: ServingState, workdir: Workdir, base_path: str | 
     """Rewrite models.config and champion.json to `state`; returns what changed, and why not.
 
     A label whose export version is not on disk for every model stays out of models.config
-    (TF Serving would refuse the whole file); that is added to `state.problems`.
+    (TF Serving would refuse the whole file); that is added to `state.problems`. A registry
+    with no `champion` at all (a store that was emptied, a wrong tracking URI) changes
+    nothing: serving keeps what it has, and the problem says why.
     """
+    if not state.champion:
+        if champion_record(workdir) or read_version_labels(workdir.export_root()):
+            state.problems.append(
+                "the registry names no champion: models.config and champion.json are left as "
+                "they are (check tracking.uri, or set the alias: recsys repair then follows it)"
+            )
+        return []
     changed = serving_drift(state, workdir)
     state.problems += _missing_exports(state, workdir)
     if _exported_models(workdir):
@@ -131,9 +140,6 @@ def champion_record(workdir: Workdir) -> dict[str, Any]:
 
 def _write_champion(workdir: Workdir, record: dict[str, Any]) -> None:
     path = workdir.champion_file()
-    if not record:
-        path.unlink(missing_ok=True)
-        return
     if champion_record(workdir) == record:
         return
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}")
