@@ -128,9 +128,10 @@ def drift_error(report: RepairReport, check: bool) -> RecsysError | None:
     """StateDriftError when anything still disagrees, else None."""
     if not report.remaining:
         return None
-    what = "records disagree" if check else "records still disagree after repair"
+    count = len(report.remaining)
+    what = f"{count} record{'s' if count > 1 else ''} disagree{'' if count > 1 else 's'}"
     return StateDriftError(
-        f"{len(report.remaining)} {what} (listed above); "
+        f"{what}{'' if check else ' after repair'} (listed above); "
         + ("run `recsys repair`" if check else "follow the command each line names")
         + f": {json.dumps(report.remaining[0])[:300]}"
     )
