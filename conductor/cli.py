@@ -85,6 +85,15 @@ def _parser() -> argparse.ArgumentParser:
     )
     cmp.add_argument("--output", help="report folder (default: <workdir>/comparisons/<time>)")
     cmp.add_argument("--no-log", action="store_true", help="do not log the report to MLflow")
+    rep = sub.add_parser(
+        "repair",
+        parents=[common],
+        help="make models.config, champion.json, run states and served versions agree with "
+        "the registry again (docs/OPERATIONS.md)",
+    )
+    rep.add_argument(
+        "--check", action="store_true", help="change nothing; exit 12 if anything disagrees"
+    )
     ab = sub.add_parser("ab", help="online A/B tests: assign users, analyse the log, decide")
     ab_sub = ab.add_subparsers(dest="ab_command", required=True)
     _ab_parsers(ab_sub, common)
@@ -125,6 +134,11 @@ def _ab_parsers(ab_sub: Any, common: argparse.ArgumentParser) -> None:
     asg.add_argument("--start", help="first day of the experiment, YYYY-MM-DD")
     asg.add_argument("--primary-metric", help="default: ctr when clicks and impressions exist")
     asg.add_argument("--no-log", action="store_true", help="do not record it in MLflow")
+    asg.add_argument(
+        "--allow-same-version",
+        action="store_true",
+        help="let both variants serve one registered version (an A/A test)",
+    )
     ana = ab_sub.add_parser(
         "analyze", parents=[common, definition], help="analyse an exposure/outcome log"
     )
@@ -132,6 +146,10 @@ def _ab_parsers(ab_sub: Any, common: argparse.ArgumentParser) -> None:
     ana.add_argument("--pre-events", help="pre-period log of the same users (CUPED)")
     ana.add_argument(
         "--start", help="first day YYYY-MM-DD (default: the definition's): earlier rows are CUPED's"
+    )
+    ana.add_argument(
+        "--timestamp-unit",
+        help="unit of numeric timestamps: s, ms, us, ns or auto (by magnitude; the default)",
     )
     ana.add_argument("--output", help="report folder (default: <workdir>/ab/<name>/<time>)")
     ana.add_argument(

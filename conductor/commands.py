@@ -17,6 +17,8 @@ from conductor.lock import WorkdirLock
 from conductor.nightly import NightlyResult, backfill, run_nightly
 from conductor.progress import KerasProgress
 from conductor.promotion import PublishResult
+from conductor.repair import drift_error, repair
+from conductor.repair import format_report as format_repair
 from recsys import tuning
 from recsys.ab import workflow as ab_workflow
 from recsys.ab.planning import format_plan, plan
@@ -32,12 +34,16 @@ from recsys.core.layout import (
 )
 from recsys.core.progress import shown
 from recsys.tracking.compare import compare, format_table
-from recsys.tracking.runs import record_ab_metric
+from recsys.tracking.runs import check_tracking_store, record_ab_metric
 from recsys.training.trainer import is_chief
 from serving_export.formats import export_embeddings
 
-# Commands that write into the working directory: they take its lock (conductor.lock).
-_WRITERS = {"preprocess", "train", "evaluate", "export", "sync", "tune"}
+# Commands that write into the working directory (files, or its local MLflow store): they take
+# its lock (conductor.lock), as nightly and backfill do themselves. `ab plan` writes nothing.
+_WRITERS = {
+    "preprocess", "train", "evaluate", "export", "sync", "tune", "compare", "ab", "embeddings",
+    "repair",
+}  # fmt: skip
 
 
 def dispatch(args: argparse.Namespace, config: RecsysConfig, date: dt.date) -> int:
@@ -48,19 +54,46 @@ def dispatch(args: argparse.Namespace, config: RecsysConfig, date: dt.date) -> i
 
 
 def _dispatch(args: argparse.Namespace, config: RecsysConfig, date: dt.date) -> int:
-    writes = args.command in (*_WRITERS, "nightly", "backfill")
+    writes = _writes(args)
     workdir = stages.check_workdir(args.workdir, writable=writes)
+    if writes:
+        workdir.check_links()  # before anything is written through a link leading outside
     if args.command in ("nightly", "backfill") and _non_chief_worker():
         raise ConfigError(
             "TF_CONFIG names this process a non-chief worker: run `recsys nightly` on the "
             "chief only and `recsys train` with the same --config/--date on the other workers"
         )
     # A non-chief multi-worker `train` writes nothing here, and must not wait for the chief.
-    if args.command in _WRITERS and not (args.command == "train" and _non_chief_worker()):
+    if (
+        args.command in _WRITERS
+        and writes
+        and not (args.command == "train" and _non_chief_worker())
+    ):
         with WorkdirLock(workdir.root, command=f"recsys {args.command}"):
             clean_temporaries(workdir.root)  # what a killed command left (as nightly does)
+            if _uses_tracking(args):  # nightly, backfill and sync check their own
+                check_tracking_store(config, workdir.root)
             return _run_stage(args, config, workdir, date)
     return _run_stage(args, config, workdir, date)
+
+
+def _writes(args: argparse.Namespace) -> bool:
+    if args.command == "ab" and args.ab_command == "plan":
+        return False
+    return args.command in (*_WRITERS, "nightly", "backfill")
+
+
+def _uses_tracking(args: argparse.Namespace) -> bool:
+    """Commands that read or write MLflow before their own work (checked first: exit 6)."""
+    if args.command in ("compare", "tune"):
+        return True
+    if args.command != "ab":
+        return False
+    if args.ab_command == "record":
+        return True
+    if args.ab_command == "assign":
+        return not args.no_log
+    return args.ab_command == "analyze" and (not args.no_log or args.promote)
 
 
 def _non_chief_worker() -> bool:
@@ -117,6 +150,12 @@ def _run_stage(
             _print_published(item)
     elif args.command == "compare":
         _compare(args, config, workdir)
+    elif args.command == "repair":
+        repaired = repair(config, workdir, check=args.check)
+        print(format_repair(repaired, args.check))
+        error = drift_error(repaired, args.check)
+        if error is not None:
+            raise error
     elif args.command == "embeddings":
         _embeddings(args, workdir)
     elif args.command == "ab" and args.ab_command != "record":
@@ -193,14 +232,15 @@ def _ab(args: argparse.Namespace, config: RecsysConfig, workdir: Workdir) -> Non
             start=args.start, primary_metric=args.primary_metric,
         )  # fmt: skip
         output = Path(args.output) if args.output else folder / f"assignment-{stamp}.csv"
-        path, counts, pinned = ab_workflow.assign_file(
+        done = ab_workflow.assign_file(
             config, workdir.root, definition, Path(args.users), output,
-            log_to_mlflow=not args.no_log,
+            log_to_mlflow=not args.no_log, allow_same_version=args.allow_same_version,
         )  # fmt: skip
-        print(f"assignment: {path}")
-        print("users:      " + ", ".join(f"{v} {n}" for v, n in counts.items()))
-        models = ", ".join(f"{v}={m} (version {pinned.versions.get(v, '?')})"
-                           for v, m in pinned.variants.items())  # fmt: skip
+        print(f"assignment: {done.path}")
+        print(f"input:      {done.users.describe()}")
+        print("users:      " + ", ".join(f"{v} {n}" for v, n in done.counts.items()))
+        models = ", ".join(f"{v}={m} (version {done.definition.versions.get(v, '?')})"
+                           for v, m in done.definition.variants.items())  # fmt: skip
         print(f"models:     {models}")
         return
     result = ab_workflow.analyze_experiment(
@@ -208,7 +248,7 @@ def _ab(args: argparse.Namespace, config: RecsysConfig, workdir: Workdir) -> Non
         Path(args.output) if args.output else folder / stamp,
         definition_path=Path(args.definition) if args.definition else None,
         pre_events=Path(args.pre_events) if args.pre_events else None, start=args.start,
-        promote=args.promote, log_to_mlflow=not args.no_log,
+        timestamp_unit=args.timestamp_unit, promote=args.promote, log_to_mlflow=not args.no_log,
     )  # fmt: skip
     print(ab_workflow.format_report(result))
 
@@ -257,6 +297,10 @@ def _print_nightly(result: NightlyResult) -> None:
     )
     print(publish.get("summary", ""))
     _print_checks(publish.get("checks", []))
+    for note in publish.get("notes") or []:
+        print(f"note:        {note}")
+    for problem in result.serving_problems:
+        print(f"serving:     {problem}")
     if result.summary_path is not None:
         print(f"summary:     {result.summary_path}")
 
@@ -269,6 +313,8 @@ def _print_published(published: PublishResult | None) -> None:
     print(decision.summary())
     checks = ([decision.primary] if decision.primary else []) + decision.guardrails
     _print_checks([vars(c) for c in checks])
+    for note in published.notes:
+        print(f"note:        {note}")
 
 
 def _print_checks(checks: list[dict[str, Any]]) -> None:

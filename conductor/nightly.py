@@ -30,14 +30,16 @@ from typing import Any
 from conductor import stages
 from conductor.lock import WorkdirLock
 from conductor.progress import KerasProgress
-from conductor.promotion import device_layout, publish_run
+from conductor.promotion import device_layout, publish_run, sync_serving_state
 from recsys.core.config import RecsysConfig
 from recsys.core.errors import (
+    ACCESS_ERRNOS,
     STORAGE_ERRNOS,
     ConfigError,
     RecsysError,
     StageFailedError,
     StorageError,
+    access_errno,
     storage_errno,
 )
 from recsys.core.faults import fault_point
@@ -55,9 +57,9 @@ from recsys.core.layout import (
     stage_info,
 )
 from recsys.core.progress import shown
-from recsys.tracking import registry
+from recsys.serving_state import champion_record
 from recsys.tracking.live import EpochMetricsLogger
-from recsys.tracking.runs import connect, log_file_redacted
+from recsys.tracking.runs import check_tracking_store, connect, log_file_redacted
 from serving_export.integrity import check_serving
 
 log = logging.getLogger(__name__)
@@ -86,6 +88,8 @@ class NightlyResult:
     run_dir: Path
     stages: list[StageOutcome] = field(default_factory=list)
     summary_path: Path | None = None
+    # What serving could not follow (recsys.serving_state: an aliased version not exported).
+    serving_problems: list[str] = field(default_factory=list)
 
     @property
     def already_done(self) -> bool:
@@ -121,6 +125,8 @@ def run_nightly(
     """All stages for `date` under the workdir lock; finished stages are skipped."""
     with WorkdirLock(workdir.root, command=f"recsys nightly --date {date}"), shown(progress):
         clean_temporaries(workdir.root)
+        # Before the first stage: a store that cannot be used would only fail the publish.
+        check_tracking_store(config, workdir.root)
         return _Nightly(config, workdir, date, input_path, force_promote, progress).run(rerun_from)
 
 
@@ -167,6 +173,7 @@ class _Nightly:
         self.config, self.workdir, self.date = config, workdir, date
         self.input_path, self.force_promote, self.progress = input_path, force_promote, progress
         self.outcomes: list[StageOutcome] = []
+        self._created_run_dir = False
         # Set when training runs in this invocation; else publish reads train.json.
         self._device: dict[str, str] | None = None
 
@@ -186,7 +193,9 @@ class _Nightly:
         ):
             self._stage(name, redo, action)
         result = NightlyResult(self.date, data_dir, run_dir, self.outcomes)
-        # Every night, done or not: what TF Serving loads must be what was published.
+        # Every night, done or not: serving follows the registry's aliases (whoever moved
+        # them), and what TF Serving loads must be what was published.
+        result.serving_problems = sync_serving_state(self.config, self.workdir).problems
         check_serving(self.workdir.root)
         if result.already_done:
             log.info("nightly %s: every stage was already done; nothing to do", self.date)
@@ -231,7 +240,7 @@ class _Nightly:
         except RecsysError:
             raise
         except OSError as exc:
-            if exc.errno in STORAGE_ERRNOS:
+            if exc.errno in STORAGE_ERRNOS or exc.errno in ACCESS_ERRNOS:
                 raise _storage_error(name, exc) from None
             raise _failed(name, exc) from exc
         except Exception as exc:
@@ -277,42 +286,61 @@ class _Nightly:
             "data_fingerprint": _fingerprint(data_dir),
         }
         runs = self.workdir.runs(self.date)
-        if not fresh and runs.is_dir():
-            for candidate in sorted(runs.iterdir(), reverse=True):
-                path = candidate / RUN_KEY
-                if path.is_file() and json.loads(path.read_text()) == key:
-                    return candidate
+        for candidate in sorted(runs.iterdir(), reverse=True) if runs.is_dir() else []:
+            path = candidate / RUN_KEY
+            # A fresh run (train redone) may still take a folder whose training never finished.
+            trained = stage_info(candidate, "train") is not None
+            if path.is_file() and json.loads(path.read_text()) == key and not (fresh and trained):
+                return candidate
         run_dir = self.workdir.run(self.date, new_run_id(self.config.digest()))
         run_dir.mkdir(parents=True)
         (run_dir / RUN_KEY).write_text(json.dumps(key, sort_keys=True) + "\n")
+        self._created_run_dir = True
         return run_dir
 
     def _train(self) -> dict[str, Any]:
         stats = json.loads((self.workdir.data(self.date) / DataFile.STATS).read_text())
         # The night's MLflow run is opened now, so each epoch can be watched as it ends.
         callbacks: list[Any] = [
-            EpochMetricsLogger(self.config, self.workdir.root, self.date, stats)
+            EpochMetricsLogger(
+                self.config, self.workdir.root, self.date, stats, run_folder=self.run_dir.name
+            )
         ]
         if self.progress:
             callbacks.append(KerasProgress())
-        _, result = stages.train(
-            self.config,
-            self.workdir,
-            self.date,
-            self.workdir.data(self.date),
-            run_dir=self.run_dir,
-            callbacks=callbacks,
-        )
+        try:
+            _, result = stages.train(
+                self.config,
+                self.workdir,
+                self.date,
+                self.workdir.data(self.date),
+                run_dir=self.run_dir,
+                callbacks=callbacks,
+            )
+        except BaseException:
+            self._drop_empty_run_dir()
+            raise
         self._device = device_layout(result)
         return {"best_epoch": result.best_epoch, "examples_per_second": result.examples_per_second}
+
+    def _drop_empty_run_dir(self) -> None:
+        """Remove the run folder this invocation created if training left nothing in it.
+
+        Its checkpoints live in `runs/<date>/.backup-*`, so the rerun resumes without it;
+        only this run's own, still empty folder is removed (never one it did not create).
+        """
+        leftover = [p.name for p in self.run_dir.iterdir()] if self.run_dir.is_dir() else None
+        if self._created_run_dir and leftover == [RUN_KEY]:
+            shutil.rmtree(self.run_dir, ignore_errors=True)
 
     def _evaluate(self) -> dict[str, Any]:
         _, report = stages.evaluate(self.config, self.workdir, self.date, self.run_dir.name)
         return {"metrics": report["model"]}
 
     def _export(self) -> dict[str, Any]:
-        exported = stages.export(self.config, self.workdir, self.date, self.run_dir.name, True)
-        return {"version": exported.version}
+        # export.verify decides, as for `recsys export` (stages.export warns when it is off).
+        exported = stages.export(self.config, self.workdir, self.date, self.run_dir.name)
+        return {"version": exported.version, "verified": bool(exported.verification)}
 
     def _publish(self) -> dict[str, Any]:
         fault_point("publish:before")
@@ -326,10 +354,6 @@ class _Nightly:
             device=self._device,
             force_promote=self.force_promote,
         )
-        try:
-            _record_champion(self.config, self.workdir)
-        except Exception as exc:  # the cache is an optimisation; publishing succeeded
-            log.warning("could not record the champion locally: %s", exc)
         decision = published.decision
         return {
             "mlflow_run_id": published.mlflow_run_id,
@@ -338,6 +362,7 @@ class _Nightly:
             "decision": decision.decision,
             "promoted": decision.promote,
             "summary": decision.summary(),
+            "notes": published.notes,
             "checks": [
                 {
                     "metric": c.metric,
@@ -373,50 +398,24 @@ def _failed(stage: str, exc: BaseException) -> StageFailedError:
 
 def _storage_error(stage: str, exc: OSError) -> StorageError:
     where = f" writing {exc.filename}" if exc.filename else ""
+    fix = (
+        f"make it writable for uid {os.getuid()}"
+        if exc.errno in ACCESS_ERRNOS
+        else "free space (or fix the volume)"
+    )
     return StorageError(
-        f"stage {stage}: {exc.strerror or exc}{where}; free space (or fix the volume) and rerun "
-        "the same command: finished stages are skipped and the serving exports are unchanged"
+        f"stage {stage}: {exc.strerror or exc}{where}; {fix} and rerun the same command: "
+        "finished stages are skipped and the serving exports are unchanged"
     )
 
 
 def _storage_in_message(stage: str, exc: Exception) -> StorageError | None:
     """TensorFlow reports a full disk as its own error types; recognise them by message."""
-    code = storage_errno(exc)
+    code = storage_errno(exc) or access_errno(exc)
     return None if code is None else _storage_error(stage, OSError(code, os.strerror(code)))
 
 
-# -- champion record and retention --------------------------------------------------------------
-
-
-def _record_champion(config: RecsysConfig, workdir: Workdir) -> None:
-    """Cache the champion's run folder, data folder and export version in the workdir.
-
-    Retention reads it to never delete what the served model needs, even if the tracking
-    server is unreachable on a later night.
-    """
-    client = connect(config, workdir.root)
-    champion = registry.alias_version(client, config.model_name, registry.CHAMPION)
-    if champion is None or champion.run_id is None:
-        return
-    tags = client.get_run(champion.run_id).data.tags
-    record = {
-        "model_name": config.model_name,
-        "registered_version": str(champion.version),
-        "run_dir": tags.get("run_dir"),
-        "data_dir": tags.get("data_dir"),
-        "export_version": tags.get("model_version"),
-        "run_date": tags.get("run_date"),
-    }
-    path = workdir.root / CHAMPION_FILE
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(record, indent=2, sort_keys=True) + "\n")
-    tmp.replace(path)
-
-
-def champion_record(workdir: Workdir) -> dict[str, Any]:
-    """The cached champion record (empty if no champion was ever recorded here)."""
-    path = workdir.root / CHAMPION_FILE
-    return json.loads(path.read_text()) if path.is_file() else {}
+# -- retention ----------------------------------------------------------------------------------
 
 
 def apply_retention(workdir: Workdir, keep_days: int) -> list[Path]:
@@ -487,7 +486,10 @@ def write_summary(result: NightlyResult) -> Path:
         f"- Decision: {pub.get('summary', 'not published')}",
         f"- Registered version {pub.get('registered_version')}; champion now "
         f"{pub.get('champion_version')}; MLflow run `{pub.get('mlflow_run_id')}`",
-        f"- Export version {exp.get('version')}",
+        f"- Export version {exp.get('version')}"
+        + ("" if exp.get("verified", True) else " (NOT verified: export.verify is false)"),
+        *(f"- Note: {note}" for note in pub.get("notes") or []),
+        *(f"- Serving: {problem}" for problem in result.serving_problems),
         "",
     ]
     path = result.run_dir / SUMMARY

@@ -12,32 +12,44 @@ import datetime as dt
 import json
 import logging
 import tempfile
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pyarrow.parquet as pq
 from mlflow import MlflowClient
+from mlflow.entities.model_registry import ModelVersion
 
 from recsys.core.config import RecsysConfig
 from recsys.core.errors import StageNotReadyError, TrackingError
-from recsys.core.layout import DataFile, ModelFile, RunDir, RunFile, Workdir, missing_inputs
+from recsys.core.layout import (
+    DataFile,
+    ModelFile,
+    RunDir,
+    RunFile,
+    Workdir,
+    missing_inputs,
+    temp_prefix,
+)
 from recsys.core.redact import redact_text, redact_tree
 from recsys.model_evaluation import evaluate_model
+from recsys.serving_state import ServingState, sync_serving
 from recsys.tracking import gate, registry
 from recsys.tracking.runs import (
     DEFAULT_DEVICE,
+    RUN_FOLDER_TAG,
     TRACKING_FAILURES,
     Artifact,
     bounded_http_retries,
+    check_tracking_store,
     connect,
     log_nightly_run,
+    owner_tags,
     resolve_tracking_uri,
     tracking_error,
 )
 from serving_export.mlflow_model import run_mlflow_model
-from serving_export.serving_config import set_version_labels
 
 log = logging.getLogger(__name__)
 
@@ -58,6 +70,7 @@ class PublishResult:
     version: str
     decision: gate.GateDecision
     champion_version: str
+    notes: list[str] = field(default_factory=list)
 
 
 def device_layout(trained: Any) -> dict[str, str]:
@@ -107,6 +120,7 @@ def publish_run(
     _write_json(marker, state)
     uri = tracking_uri or resolve_tracking_uri(config, workdir.root)
     try:
+        check_tracking_store(config, workdir.root, uri)
         with bounded_http_retries():
             result = _publish(config, workdir, date, run_dir, state, uri)
     except (TrackingError, *TRACKING_FAILURES) as exc:
@@ -162,6 +176,9 @@ def _publish(
     mlflow_model = run_mlflow_model(run_dir, data_dir, retrieval, config.export.top_k)
     artifacts.append((mlflow_model, registry.MLFLOW_MODEL))
     tags = {
+        # One MLflow run (and registered version) per run folder: a rerun that trains again
+        # (--rerun-from train or earlier) is a new candidate, not the old run (runs.py).
+        RUN_FOLDER_TAG: run_dir.name,
         "run_dir": str(run_dir.resolve()),
         "model_path": str((run_dir / RunFile.MODEL).resolve()),
         # The model a later gate scores as champion (the served one unless it saw the test).
@@ -173,6 +190,7 @@ def _publish(
         # What the config's dense_log rule changed for this log ({}: nothing), beside the
         # params, which are the config as given.
         "dense_log_settings": json.dumps(train_info.get("dense_log_settings", {}), sort_keys=True),
+        **owner_tags(workdir.root),
     }
     run_id = log_nightly_run(
         config,
@@ -207,37 +225,63 @@ def _publish(
         _log_decision(client, run_id, run_dir, decision, champion)
         if decision.promote:
             registry.set_alias(client, name, registry.CHAMPION, version.version)
-    challenger = registry.alias_version(client, name, registry.CHALLENGER)
-    # `challenger` is the newest candidate: a late sync of an older date must not take it back.
-    if challenger is None or int(challenger.version) <= int(version.version):
-        registry.set_alias(client, name, registry.CHALLENGER, version.version)
+    notes = [note] if (note := move_challenger(client, name, version, date)) else []
     now_champion = registry.alias_version(client, name, registry.CHAMPION)
-    _route_serving(client, config, workdir, name)
+    # models.config and champion.json follow the aliases (recsys.serving_state).
+    sync_serving(client, name, workdir, config.export.serving_base_path)
     log.info("%s (version %s of %s)", decision.summary(), version.version, name)
     return PublishResult(
         run_id,
         str(version.version),
         decision,
         str(now_champion.version) if now_champion else "none",
+        notes,
     )
 
 
-def _route_serving(client: MlflowClient, config: RecsysConfig, workdir: Workdir, name: str) -> None:
-    """Point export/models.config's champion/challenger labels at the aliased versions.
+def sync_serving_state(
+    config: RecsysConfig, workdir: Workdir, tracking_uri: str | None = None
+) -> ServingState:
+    """models.config and champion.json rewritten from the registry's aliases (TrackingError
+    when the store cannot be read; nothing is written then)."""
+    uri = tracking_uri or resolve_tracking_uri(config, workdir.root)
+    try:
+        with bounded_http_retries():
+            client = connect(config, workdir.root, uri)
+            return sync_serving(client, config.model_name, workdir, config.export.serving_base_path)
+    except TRACKING_FAILURES as exc:
+        raise tracking_error(uri, workdir.root, exc) from None
 
-    A registry version maps to its export folder through its run's `model_version` tag; TF
-    Serving then routes by label, so a promotion is this one atomic file rewrite.
+
+def move_challenger(
+    client: MlflowClient, name: str, version: ModelVersion, date: dt.date
+) -> str | None:
+    """Point `challenger` at `version` unless it holds a newer one; else say why it stays.
+
+    `challenger` is the newest candidate, by run date, then registration: a backfill or a late
+    sync of an older date registers its version without taking the alias from a newer date.
     """
-    labels = {}
-    for alias in (registry.CHAMPION, registry.CHALLENGER):
-        version = registry.alias_version(client, name, alias)
-        run_id = version.run_id if version else None
-        tag = client.get_run(run_id).data.tags.get("model_version") if run_id else None
-        if tag and tag.isdigit():
-            labels[alias] = int(tag)
-    path = set_version_labels(workdir.root / "export", labels, config.export.serving_base_path)
-    if path is not None:
-        log.info("serving labels %s written to %s", labels, path)
+    current = registry.alias_version(client, name, registry.CHALLENGER)
+    if current is not None and str(current.version) != str(version.version):
+        held = (_run_date(client, current), int(current.version))
+        if held > (date.isoformat(), int(version.version)):
+            note = (
+                f"challenger stays version {current.version} (run date {held[0]}): this run's "
+                f"date {date} is older, so version {version.version} is registered but does "
+                "not take it"
+            )
+            log.warning(note)
+            return note
+    registry.set_alias(client, name, registry.CHALLENGER, version.version)
+    return None
+
+
+def _run_date(client: MlflowClient, version: ModelVersion) -> str:
+    """The run date of a registered version (its tag, else its run's tag; '' if neither)."""
+    date = (version.tags or {}).get("run_date")
+    if date or version.run_id is None:
+        return date or ""
+    return client.get_run(version.run_id).data.tags.get("run_date", "")
 
 
 def _gate_against(
@@ -250,7 +294,8 @@ def _gate_against(
 ) -> gate.GateDecision:
     """Evaluate the champion on today's test split and gate the challenger against it."""
     # Under the workdir, where the next run removes what a killed one left (clean_temporaries).
-    with tempfile.TemporaryDirectory(prefix=".tmp-recsys-champion-", dir=run_dir.parent) as tmp:
+    prefix = temp_prefix("tmp", "recsys-champion")
+    with tempfile.TemporaryDirectory(prefix=prefix, dir=run_dir.parent) as tmp:
         model_dir = _champion_model(client, champion.run_id, Path(tmp))
         if model_dir is None:
             reason = (

@@ -15,7 +15,6 @@ import os
 import shutil
 import tempfile
 import time
-import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -43,11 +42,13 @@ from recsys.core.layout import (
     next_version,
     replace_dir,
     require_complete,
+    temp_name,
 )
 from recsys.core.progress import bar
 from recsys.core.redact import redact_tree
 from recsys.model import TrainedModel
 from recsys.model_evaluation import evaluate_model
+from recsys.serving_state import champion_record
 from recsys.synthetic import items_path, write_csv, write_items_csv
 from recsys.training.result import TrainResult
 from recsys.training.trainer import IncrementalStart, is_chief, write_dir
@@ -307,8 +308,8 @@ def export(
     # verification cost the same at any size, the embeddings grow with users and rows.
     seconds: dict[str, float] = {}
     clock = time.perf_counter()
-    verifying = config.export.verify if verify is None else verify
-    steps = bar("export", 4 if verifying else 3, "steps")
+    verify = config.export.verify if verify is None else verify
+    steps = bar("export", 4 if verify else 3, "steps")
 
     def lap(step: str) -> None:
         nonlocal clock
@@ -320,14 +321,20 @@ def export(
 
     # Verify in a staging root, then publish by rename: TF Serving never sees an unverified
     # version. All three models are verified before any is published.
-    staging = workdir.root / "export" / f".staging-{version}-{uuid.uuid4().hex[:8]}"
+    if not verify:
+        log.warning(
+            "export: version %d is published WITHOUT the fresh-process check (export.verify "
+            "is false or --no-verify): nothing reloads and compares the SavedModels",
+            version,
+        )
+    staging = workdir.export_root() / temp_name("staging", str(version))
     try:
         staged = export_savedmodels(
             model, staging, version, config.export.top_k, warmup=config.export.warmup
         )
         fault_point("export:staged", staging)
         lap("savedmodels")
-        if verifying:
+        if verify:
             report = verify_export(
                 model, staged, config.export.tolerance, max_k=config.export.top_k
             )
@@ -349,19 +356,21 @@ def export(
         for name, path in staged.items():
             models[name] = workdir.export(name) / str(version)
             models[name].parent.mkdir(parents=True, exist_ok=True)
-            if keep_published(workdir.root / "export", name, version):
+            if keep_published(workdir.export_root(), name, version):
                 continue
             replace_dir(path, models[name])
-            record_checksums(workdir.root / "export", name, version)
+            record_checksums(workdir.export_root(), name, version)
             fault_point("export:published-one")
     finally:
         steps.close()
         shutil.rmtree(staging, ignore_errors=True)
-    # models.config keeps its champion/challenger labels (conductor.promotion moves them), and
-    # versions beyond export.keep_versions go, except the labelled ones and this one.
+    # models.config keeps its champion/challenger labels (recsys.serving_state moves them),
+    # and versions beyond export.keep_versions go, except the served ones and this one.
+    champion = champion_record(workdir).get("export_version")
     serving = finish_publish(
-        workdir.root / "export", workdir.root / "embeddings", models, version, config.export
-    )
+        workdir.export_root(), workdir.embeddings_root(), models, version, config.export,
+        keep=[int(champion)] if champion and str(champion).isdigit() else [],
+    )  # fmt: skip
     embeddings = {
         kind: workdir.embeddings(version) / f"{kind}.parquet" for kind in ("items", "users")
     }
@@ -379,7 +388,7 @@ def export(
         },
     )
     log.info("export: seconds per step %s", seconds)
-    if verifying:
+    if verify:
         check_serving(workdir.root)  # what TF Serving loads, not only what was just staged
     return ExportResult(version, models, embeddings, report)
 

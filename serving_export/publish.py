@@ -13,13 +13,12 @@ from __future__ import annotations
 import logging
 import os
 import shutil
-import uuid
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
 from recsys.core.config import ExportConfig
-from recsys.core.layout import EmbeddingsFile, replace_dir
+from recsys.core.layout import EmbeddingsFile, replace_dir, temp_name
 from recsys.model import TrainedModel
 from serving_export.activity import Activity
 from serving_export.ann import build_ann
@@ -29,9 +28,6 @@ from serving_export.manifest import MANIFEST, write_manifest
 from serving_export.serving_config import read_version_labels, write_models_config
 
 log = logging.getLogger(__name__)
-
-# `.old-` is one of recsys.core.layout.TEMP_PREFIXES: a leftover of a killed prune is cleaned up.
-_TRASH = ".old-"
 
 
 def stage_embeddings(
@@ -114,7 +110,8 @@ def prune_versions(base: Path, keep: int, protect: Iterable[int] = ()) -> list[i
     present = versions(base)
     doomed = [v for v in present[: max(len(present) - keep, 0)] if v not in protected]
     for version in doomed:
-        trash = Path(base) / f"{_TRASH}{version}-{uuid.uuid4().hex[:8]}"
+        # A recsys temporary name: a leftover of a killed prune is cleaned up by the next run.
+        trash = Path(base) / temp_name("old", str(version))
         os.replace(Path(base) / str(version), trash)
         shutil.rmtree(trash, ignore_errors=True)
     return doomed
@@ -126,16 +123,18 @@ def finish_publish(
     names: Iterable[str],
     version: int,
     config: ExportConfig,
+    keep: Iterable[int] = (),
 ) -> dict[str, Any]:
     """After a publish: rewrite models.config (labels kept) and prune to export.keep_versions.
 
-    The versions labelled champion/challenger in models.config (set after promotion by
-    conductor.promotion) and the new version are never pruned.
+    The versions labelled champion/challenger in models.config (recsys.serving_state sets
+    them from the registry), those in `keep` (champion.json's) and the new version are never
+    pruned.
     """
     names = list(names)
     labels = read_version_labels(export_root)
     config_path = write_models_config(export_root, names, labels, config.serving_base_path)
-    protect = {*labels.values(), version}
+    protect = {*labels.values(), *(int(v) for v in keep), version}
     pruned = {
         name: prune_versions(Path(export_root) / name, config.keep_versions, protect)
         for name in names

@@ -30,6 +30,7 @@ import tensorflow as tf
 
 from recsys.core.children import die_with_parent
 from recsys.core.errors import ExportVerificationError
+from recsys.core.layout import temp_prefix
 from recsys.model import TrainedModel
 from serving_export import samples
 from serving_export.samples import UNKNOWN_USER_IDS, sample_histories, sample_users
@@ -174,7 +175,7 @@ def _run_fresh_process_checks(
     # Scratch next to the exports (the staging folder), never in the system temp folder: a
     # killed run leaves it where the next run removes it (recsys.core.layout.clean_temporaries).
     beside = Path(os.path.commonpath([str(path.parent) for path in exported.values()]))
-    with tempfile.TemporaryDirectory(prefix=".tmp-recsys-verify-", dir=beside) as tmp:
+    with tempfile.TemporaryDirectory(prefix=temp_prefix("tmp", "recsys-verify"), dir=beside) as tmp:
         cli = {
             name: _start_cli(path, Path(tmp) / f"{name}.cli.txt") for name, path in exported.items()
         }

@@ -17,6 +17,7 @@ from recsys.core.config import RecsysConfig, parse_config
 from recsys.core.layout import Workdir
 from recsys.synthetic import write_csv
 from tests.mlflow_server import MlflowServer, mlflow_server
+from tests.postgres_server import PostgresServer, find_bin, postgres_server
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -86,6 +87,17 @@ def prepared(tmp_path_factory: pytest.TempPathFactory) -> tuple[RecsysConfig, Wo
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[MlflowServer]:
     """One real `mlflow server` per test module that asks for it (it takes seconds to start)."""
     with mlflow_server(tmp_path_factory.mktemp("mlflow-server")) as running:
+        yield running
+
+
+@pytest.fixture(scope="module")
+def postgres() -> Iterator[PostgresServer]:
+    """A real PostgreSQL cluster per test module that asks for it (skipped, with the reason,
+    where PostgreSQL is not installed)."""
+    bin_dir, reason = find_bin()
+    if bin_dir is None:
+        pytest.skip(reason)
+    with postgres_server(bin_dir) as running:
         yield running
 
 

@@ -232,7 +232,8 @@ def test_definition_file_with_overrides_and_errors(tmp_path: Path) -> None:
 
 def test_no_impressions_in_one_arm_is_no_decision(tmp_path: Path) -> None:
     frame = sim.event_log(np.random.default_rng(0), users=400, days=8, experiment="exp")
-    frame.loc[frame["variant"] == "B", "impressions"] = 0
+    # No impressions, hence no clicks (clicks > impressions would be rejected as impossible).
+    frame.loc[frame["variant"] == "B", ["impressions", "clicks"]] = 0
     path = tmp_path / "events.parquet"
     frame.to_parquet(path)
     result = _analyze(path, _definition())
@@ -251,8 +252,9 @@ def test_bucket_agrees_with_coreutils_sha256sum(
     assert int(digest[:16], 16) % 10_000 == expected
 
 
-def test_the_ab_library_imports_only_core_and_tracking() -> None:
-    # The layer rule (docs/ARCHITECTURE.md): never the CLI, the nightly conductor or TensorFlow.
+def test_the_ab_library_imports_only_core_tracking_and_serving_state() -> None:
+    # The layer rule (docs/ARCHITECTURE.md): never the CLI, the nightly conductor or TensorFlow;
+    # serving_state is how --promote moves models.config and champion.json with the alias.
     code = (
         "import sys; import recsys.ab, recsys.ab.workflow, recsys.ab.planning, recsys.ab.chart; "
         "ours = ('recsys', 'conductor', 'tensorflow'); "
@@ -262,6 +264,27 @@ def test_the_ab_library_imports_only_core_and_tracking() -> None:
         [sys.executable, "-c", code], capture_output=True, text=True, check=True,
         cwd=Path(__file__).parent.parent,
     ).stdout.split()  # fmt: skip
-    allowed = ("recsys.ab", "recsys.core", "recsys.tracking")
+    allowed = ("recsys.ab", "recsys.core", "recsys.tracking", "recsys.serving_state")
     outside = [m for m in out if m != "recsys" and not m.startswith(allowed)]
     assert outside == [], outside
+
+
+@pytest.mark.parametrize(
+    ("option", "value"),
+    [("--power", "1"), ("--alpha", "0"), ("--alpha", "1"), ("--effect", "nan"),
+     ("--effect", "1e308"), ("--effect", "0"), ("--share", "1")],
+)  # fmt: skip
+def test_plan_arguments_out_of_bounds_are_one_line_exit_2(
+    option: str, value: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from conductor import cli
+
+    frame = sim.event_log(np.random.default_rng(0), users=300, days=3, experiment="exp")
+    path = tmp_path / "traffic.csv"
+    frame.drop(columns=["variant"]).to_csv(path, index=False)
+    args = ["ab", "plan", "--events", str(path), "--workdir", str(tmp_path), option, value]
+    assert cli.main(args) == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    (line,) = [x for x in err.splitlines() if x.startswith("recsys: error:")]
+    assert f"{option} {float(value)!r} must be between" in line

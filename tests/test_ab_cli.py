@@ -132,3 +132,117 @@ def test_bad_log_is_one_line_and_exit_code_3(
     assert cli.main([*args, "--experiment", "bad", "--events", str(bad), "--no-log"]) == 3
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "variant" in err[0] and "Traceback" not in err[0]
+
+
+def _error_line(err: str) -> str:
+    assert "Traceback" not in err, err[-3000:]
+    lines = [line for line in err.splitlines() if line.startswith("recsys: error:")]
+    assert len(lines) == 1, err[-3000:]
+    return lines[0]
+
+
+def _winning_log(experiment: str) -> pd.DataFrame:
+    return sim.event_log(np.random.default_rng(0), users=3000, days=10, lift=0.3,
+                         experiment=experiment)  # fmt: skip
+
+
+def test_impossible_rows_are_rejected_with_a_reason_and_counted(
+    config_path: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    frame = _winning_log("rows")
+    period = frame[frame["timestamp"] >= pd.Timestamp("2026-01-01", tz="UTC")]
+    # One control row with a million clicks on one impression outweighs 1,500 real users.
+    control = period[period["variant"] == "A"].iloc[[0]].assign(clicks=1_000_000, impressions=1)
+    negative = period[period["variant"] == "B"].iloc[[0]].assign(clicks=-5)
+    events = tmp_path / "rows.parquet"
+    pd.concat([frame, control, negative], ignore_index=True).to_parquet(events)
+    out = tmp_path / "report"
+    args = ["ab", "analyze", "--config", str(config_path), "--workdir", str(tmp_path / "w"),
+            "--experiment", "rows", "--events", str(events), "--start", "2026-01-01",
+            "--output", str(out), "--no-log"]  # fmt: skip
+    assert cli.main(args) == 0
+    printed = capsys.readouterr().out
+    assert printed.strip().splitlines()[-1].startswith("decision for rows: B wins")
+    rows = len(frame) + 2
+    assert (f"rows.parquet: 2 of {rows} rows rejected as impossible "
+            "(clicks_exceed_impressions 1, negative_clicks 1;") in printed  # fmt: skip
+    rejected = pd.read_csv(out / "rejected.csv")
+    assert sorted(rejected["reason"]) == ["clicks_exceed_impressions", "negative_clicks"]
+    # A log with more impossible rows than the definition tolerates is refused.
+    many = frame.assign(clicks=frame["impressions"] + 1)
+    many.to_parquet(events)
+    assert cli.main(args) == 3
+    line = _error_line(capsys.readouterr().err)
+    assert "rows are impossible (clicks_exceed_impressions" in line and "row 0" in line
+
+
+def test_integer_epoch_seconds_are_read_as_seconds_and_the_unit_is_named(
+    config_path: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    frame = _winning_log("epoch")
+    # The form the preprocessing job reads: integer seconds since 1970.
+    seconds = (frame["timestamp"] - pd.Timestamp(0, tz="UTC")) // pd.Timedelta(seconds=1)
+    events = tmp_path / "epoch.csv"
+    frame.assign(timestamp=seconds.astype("int64")).to_csv(events, index=False)
+    args = ["ab", "analyze", "--config", str(config_path), "--workdir", str(tmp_path / "w"),
+            "--experiment", "epoch", "--events", str(events), "--start", "2026-01-01",
+            "--no-log"]  # fmt: skip
+    assert cli.main(args) == 0
+    printed = capsys.readouterr().out
+    assert "2026-01-01..2026-01-10 (10 days)" in printed
+    assert "epoch.csv: numeric timestamps read as seconds since 1970 UTC (by magnitude" in printed
+    assert printed.strip().splitlines()[-1].startswith("decision for epoch: B wins")
+    # Declared, the unit wins: the same numbers as milliseconds are all on 1970-01-21.
+    assert cli.main([*args, "--timestamp-unit", "ms"]) == 3
+    assert "no rows on or after the start date" in _error_line(capsys.readouterr().err)
+
+
+def test_assign_keeps_one_row_per_user_by_a_stated_rule(
+    config_path: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    ids = [f"u{i}" for i in range(199)] + ["007"]
+    users = tmp_path / "users.csv"
+    pd.DataFrame({"user_id": ids + ids[:50] + [" u1", "u1 "]}).to_csv(users, index=False)
+    out = tmp_path / "assignment.csv"
+    args = [
+        "ab",
+        "assign",
+        "--config",
+        str(config_path),
+        "--workdir",
+        str(tmp_path / "w"),
+        "--experiment",
+        "dedup",
+        "--users",
+        str(users),
+        "--output",
+        str(out),
+        "--no-log",
+    ]
+    assert cli.main(args) == 0
+    printed = capsys.readouterr().out
+    assert ("input:      200 unique of 252 rows (52 duplicates dropped, 2 ids stripped of "
+            "surrounding whitespace)") in printed  # fmt: skip
+    table = pd.read_csv(out, dtype={"user_id": str})
+    assert len(table) == 200 and table["user_id"].is_unique
+    assert sorted(table["user_id"]) == sorted(ids)  # '007' stays text, ' u1' is u1
+
+
+def test_two_variants_on_one_version_are_refused_unless_asked(
+    server: MlflowServer, config_path: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert registry.alias_version(MlflowClient(server.uri), MODEL, "challenger").version == "2"
+    users = tmp_path / "users.txt"
+    users.write_text("u1\nu2\nu3\n")
+    out = tmp_path / "assignment.csv"
+    args = ["ab", "assign", "--config", str(config_path), "--workdir", str(tmp_path / "w"),
+            "--experiment", "same", "--users", str(users), "--output", str(out),
+            "--variants", "A=challenger,B=v2"]  # fmt: skip
+    assert cli.main(args) == 2
+    line = _error_line(capsys.readouterr().err)
+    assert "variants A and B both serve registered version 2" in line
+    assert "--allow-same-version" in line
+    assert not out.exists()
+    assert MlflowClient(server.uri).get_experiment_by_name("ab-same") is None  # not recorded
+    assert cli.main([*args, "--allow-same-version"]) == 0
+    assert "A=challenger (version 2), B=v2 (version 2)" in capsys.readouterr().out

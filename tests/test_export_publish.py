@@ -9,7 +9,6 @@ import subprocess
 import sys
 import textwrap
 from pathlib import Path
-from types import SimpleNamespace
 
 import numpy as np
 import pyarrow.parquet as pq
@@ -257,24 +256,29 @@ def test_models_config_is_a_tf_serving_model_config_list(tmp_path: Path) -> None
     assert set_version_labels(tmp_path / "nothing-here", {"champion": 1}) is None
 
 
-def test_promotion_points_the_labels_at_the_registry_versions(
-    tmp_path: Path, small_config: RecsysConfig, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """The hook in conductor.promotion: registry alias -> run tag model_version -> label."""
-    from conductor import promotion
-    from recsys.tracking import registry
+def test_serving_follows_the_registry_aliases(tmp_path: Path) -> None:
+    """recsys.serving_state: registry alias -> run tag model_version -> label, champion.json."""
+    from mlflow import MlflowClient
 
+    from recsys.serving_state import champion_record, sync_serving
+    from recsys.tracking import registry
+    from recsys.tracking.runs import ensure_local_store
+
+    workdir = Workdir(tmp_path)
     for name in MODEL_NAMES:
         for version in (1, 2):
             (tmp_path / "export" / name / str(version)).mkdir(parents=True)
-    aliases = {"champion": SimpleNamespace(run_id="r1"), "challenger": SimpleNamespace(run_id="r2")}
-    tags = {"r1": {"model_version": "1"}, "r2": {"model_version": "2"}}
-    monkeypatch.setattr(registry, "alias_version", lambda client, name, alias: aliases.get(alias))
-    client = SimpleNamespace(
-        get_run=lambda run_id: SimpleNamespace(data=SimpleNamespace(tags=tags[run_id]))
-    )
-    promotion._route_serving(client, small_config, Workdir(tmp_path), "m")
+    client = MlflowClient(f"sqlite:///{ensure_local_store(tmp_path)}")
+    experiment = client.create_experiment("m")
+    for export in ("1", "2"):
+        run = client.create_run(experiment, tags={"model_version": export, "run_date": "x"})
+        registry.register_run(client, "m", run.info.run_id)
+    registry.set_alias(client, "m", registry.CHAMPION, 1)
+    registry.set_alias(client, "m", registry.CHALLENGER, 2)
+    sync_serving(client, "m", workdir, None)
     assert read_version_labels(tmp_path / "export") == {"champion": 1, "challenger": 2}
-    aliases["champion"] = aliases["challenger"]  # the challenger was promoted
-    promotion._route_serving(client, small_config, Workdir(tmp_path), "m")
+    assert champion_record(workdir)["registered_version"] == "1"
+    registry.set_alias(client, "m", registry.CHAMPION, 2)  # the challenger was promoted
+    state = sync_serving(client, "m", workdir, None)
     assert read_version_labels(tmp_path / "export") == {"champion": 2, "challenger": 2}
+    assert champion_record(workdir)["export_version"] == "2" and state.problems == []

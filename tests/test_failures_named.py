@@ -218,3 +218,62 @@ def test_an_empty_shard_is_a_data_error(tmp_path: Path) -> None:
     (tmp_path / "train-00000-of-00001.tfrecord.gz").write_bytes(b"")
     with pytest.raises(DataError, match="is empty"):
         split_files(tmp_path, "train")
+
+
+def _in_private_mounts(command: list[str], tmpfs: Path, size: str) -> list[str]:
+    """`command` in its own mount namespace with a `size` tmpfs on `tmpfs` (a real full disk).
+
+    Needs root, or unprivileged user namespaces (then root inside one): skipped otherwise.
+    """
+    userns = [] if os.geteuid() == 0 else ["--user", "--map-root-user"]
+    mount = 'mount -t tmpfs -o "size=$1" tmpfs "$2" && shift 2 && exec "$@"'
+    wrapped = ["unshare", *userns, "--mount", "--propagation", "private", "sh", "-c", mount,
+               "sh", size, str(tmpfs), *command]  # fmt: skip
+    if shutil.which("unshare") is None:
+        pytest.skip("no private tmpfs mount here: util-linux's unshare is not installed")
+    probe = subprocess.run([*wrapped[: -len(command)], "true"], capture_output=True, text=True)
+    if probe.returncode != 0:
+        pytest.skip(f"no private tmpfs mount here (unshare/mount: {probe.stderr.strip()[:200]})")
+    return wrapped
+
+
+@pytest.mark.slow
+def test_a_real_full_disk_at_a_checkpoint_says_no_space_left(
+    trained_workdir: tuple, tmp_path: Path
+) -> None:
+    config, work = trained_workdir
+    full = tmp_path / "work"
+    shutil.copytree(work / "data", full / "data")
+    (full / "runs").mkdir()
+    # runs/ on a 24 KB file system: the first checkpoint (SaveV2) does not fit.
+    train = [sys.executable, "-m", "conductor.cli", "train", "--config", str(config),
+             "--workdir", str(full), "--date", SMALL_DATE]  # fmt: skip
+    proc = subprocess.run(_in_private_mounts(train, full / "runs", "24k"), capture_output=True,
+                          text=True, timeout=600)  # fmt: skip
+    line = _one_error_line(proc.stderr)
+    assert proc.returncode == 9, proc.stderr[-3000:]
+    assert "No space left on device writing a checkpoint" in line
+    assert "rerun the same command" in line and "out of memory" not in line
+
+
+@pytest.mark.slow
+def test_an_export_folder_without_write_permission_exits_9_naming_it(tmp_path: Path) -> None:
+    config = tmp_path / "c.yaml"
+    raw = {**SMALL, "training": {**SMALL["training"], "epochs": 1}}
+    config.write_text(yaml.safe_dump({**raw, "export": {**SMALL["export"], "verify": False}}))
+    work = tmp_path / "work"
+    (work / "export").mkdir(parents=True)
+    (work / "export").chmod(0o555)
+    # Root ignores file modes: in a user namespace of its own it is an ordinary user.
+    userns = ["unshare", "--user"] if os.geteuid() == 0 else []
+    try:
+        proc = subprocess.run(
+            [*userns, sys.executable, "-m", "conductor.cli", "nightly", "--config", str(config),
+             "--workdir", str(work), "--date", SMALL_DATE],
+            capture_output=True, text=True, timeout=600,
+        )  # fmt: skip
+    finally:
+        (work / "export").chmod(0o755)
+    line = _one_error_line(proc.stderr)
+    assert proc.returncode == 9, proc.stderr[-3000:]
+    assert "stage export: Permission denied" in line and "make it writable" in line

@@ -131,11 +131,19 @@ def test_retention_never_touches_non_date_folders(tmp_path: Path) -> None:
     assert (tmp_path / "runs" / "notes").is_dir()
 
 
+def _dead_pid() -> int:
+    """The pid of a process that has exited (and been reaped)."""
+    proc = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
+                          capture_output=True, text=True, check=True)  # fmt: skip
+    return int(proc.stdout)
+
+
 def test_temporaries_of_killed_writers_are_removed(tmp_path: Path) -> None:
+    dead = _dead_pid()
     leftovers = [
-        tmp_path / "data" / ".tmp-2026-01-05-0a1b2c3d",
-        tmp_path / "export" / ".staging-3-0a1b2c3d",
-        tmp_path / "export" / "query" / ".old-2-0a1b2c3d",
+        tmp_path / "data" / f".tmp-2026-01-05-pid{dead}-0a1b2c3d",
+        tmp_path / "export" / f".staging-3-pid{dead}-0a1b2c3d",
+        tmp_path / "export" / "query" / f".old-2-pid{dead}-0a1b2c3d",
     ]
     kept = [tmp_path / "data" / "2026-01-05", tmp_path / "runs" / "2026-01-05" / ".backup-abc"]
     for path in leftovers + kept:

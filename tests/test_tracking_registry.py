@@ -140,8 +140,9 @@ def test_rerun_reuses_the_run_and_the_version(
 ) -> None:
     config = configured(small_config, server.uri, "reg-rerun")
     workdir = Workdir(tmp_path)
-    first = publish_run(config, workdir, DATE, fake_run(workdir, config, DATE, PER_USER))
-    again = publish_run(config, workdir, DATE, fake_run(workdir, config, DATE, PER_USER))
+    run_dir = fake_run(workdir, config, DATE, PER_USER)
+    first = publish_run(config, workdir, DATE, run_dir)
+    again = publish_run(config, workdir, DATE, run_dir)  # the same run folder published again
     assert again.mlflow_run_id == first.mlflow_run_id and again.version == first.version
 
     client = MlflowClient(server.uri)
@@ -165,6 +166,14 @@ def test_rerun_reuses_the_run_and_the_version(
     assert "neither at its run folder nor in its run's artifacts" in third.decision.reasons[0]
     assert client.get_registered_model("reg-rerun").aliases == {"champion": "1", "challenger": "2"}
     assert len(client.search_runs([experiment.experiment_id])) == 2
+
+    # The same config and data trained again into another run folder (`--rerun-from train`):
+    # another export, so another run and version, never the first run's.
+    retrained = publish_run(config, workdir, DATE, fake_run(workdir, config, DATE, PER_USER))
+    assert retrained.mlflow_run_id not in (first.mlflow_run_id, third.mlflow_run_id)
+    assert retrained.version == "3"
+    tags = client.get_run(retrained.mlflow_run_id).data.tags
+    assert tags["model_version"] == "3" and tags["run_folder"] != run_dir.name
 
 
 def test_force_promote_overrides_a_kept_gate_and_is_recorded(

@@ -1,7 +1,8 @@
 """Online A/B tests: assignment, experiment definitions, analysis and decisions.
 
-Library layer: imports recsys.core and recsys.tracking only, never conductor/ (the CLI and the
-nightly). See docs/AB_TESTING.md.
+Library layer: imports recsys.core, recsys.tracking and recsys.serving_state only (a promotion
+moves serving with the alias), never conductor/ (the CLI and the nightly). See
+docs/AB_TESTING.md.
 """
 
 from recsys.ab.analysis import Analysis, Decision, MetricResult, analyze

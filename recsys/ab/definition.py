@@ -4,13 +4,18 @@ from __future__ import annotations
 
 import datetime as dt
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from recsys.ab.assignment import thresholds
 from recsys.core.errors import ConfigError
+
+ALPHA = (0.0, 0.5)
+"""Open bounds of a test's significance level (above 0.5, "significant" means nothing)."""
+POWER = (0.0, 1.0)
+"""Open bounds of a test's power (1 would need infinitely many users)."""
 
 
 class ExperimentDefinition(BaseModel):
@@ -33,13 +38,18 @@ class ExperimentDefinition(BaseModel):
     primary_metric: str | None = None
     # metric -> largest tolerated relative drop (0.01 = 1%), judged on the always-valid interval
     guardrails: dict[str, float] = Field(default_factory=dict)
-    alpha: float = Field(0.05, gt=0, lt=0.5)
-    power: float = Field(0.8, gt=0, lt=1)
+    alpha: float = Field(0.05, gt=ALPHA[0], lt=ALPHA[1])
+    power: float = Field(0.8, gt=POWER[0], lt=POWER[1])
     min_days: int = Field(7, ge=1)
     planned_days: int = Field(14, ge=1)
     tau_sd: float = Field(0.1, gt=0)
     model_name: str | None = None
     versions: dict[str, str] = Field(default_factory=dict)
+    # The log: integer timestamps' unit (auto: by magnitude, named in the report), the share of
+    # impossible rows tolerated (dropped and listed), and outcomes that may be negative.
+    timestamp_unit: Literal["auto", "s", "ms", "us", "ns"] = "auto"
+    max_rejected_fraction: float = Field(0.01, ge=0, le=1)
+    allow_negative: list[str] = Field(default_factory=list)
 
     @model_validator(mode="after")
     def _check(self) -> ExperimentDefinition:

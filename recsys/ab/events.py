@@ -21,6 +21,12 @@ from recsys.core.errors import DataError
 
 KEYS = ("user_id", "variant", "timestamp")
 PRE = "pre_"
+REASON = "reason"
+# A ratio metric's numerator cannot exceed its denominator (recsys.ab.analysis.RATIO_METRICS).
+PARTS = (("clicks", "impressions"),)
+# Integer timestamps by magnitude: below 1e11 seconds (year 5138), below 1e14 milliseconds...
+_MAGNITUDES = ((1e11, "s"), (1e14, "ms"), (1e17, "us"))
+_UNIT_NAMES = {"s": "seconds", "ms": "milliseconds", "us": "microseconds", "ns": "nanoseconds"}
 
 
 @dataclass
@@ -32,6 +38,8 @@ class UserTable:
     days: list[dt.date]
     daily: pd.DataFrame
     notes: list[str] = field(default_factory=list)
+    # Impossible rows that were dropped, with a `reason` column (written as rejected.csv).
+    rejected: pd.DataFrame = field(default_factory=pd.DataFrame)
 
     @property
     def has_pre_period(self) -> bool:
@@ -59,7 +67,8 @@ def read_log(path: Path) -> pd.DataFrame:
         if path.is_dir() or path.suffix.lower() in (".parquet", ".pq"):
             frame = pd.read_parquet(path)
         elif path.suffix.lower() in (".csv", ".gz", ".txt"):
-            frame = pd.read_csv(path)
+            # Ids are text: `007` stays `007` (the assignment hashes the text).
+            frame = pd.read_csv(path, dtype={"user_id": str, "variant": str})
         else:
             raise DataError(f"events file {path}: use .parquet or .csv")
     except (ValueError, OSError, pd.errors.ParserError) as exc:
@@ -103,14 +112,92 @@ def _check(frame: pd.DataFrame, path: Path, needs_variant: bool) -> list[str]:
     return outcomes
 
 
-def _days(frame: pd.DataFrame, path: Path) -> pd.Series:
+def numeric_time_unit(values: pd.Series, declared: str = "auto") -> str | None:
+    """The unit of numeric timestamps: the declared one, else by magnitude; None for text.
+
+    pandas reads bare integers as nanoseconds, which turns epoch seconds into 1970-01-01.
+    """
+    if not pd.api.types.is_numeric_dtype(values) or pd.api.types.is_bool_dtype(values):
+        return None
+    if declared != "auto":
+        return declared
+    largest = float(np.nanmax(np.abs(values.to_numpy(dtype=np.float64)), initial=0.0))
+    return next((unit for bound, unit in _MAGNITUDES if largest < bound), "ns")
+
+
+def unit_note(unit: str | None, declared: str, path: Path) -> str | None:
+    """The report's line naming how numeric timestamps were read (None for text times)."""
+    if unit is None:
+        return None
+    how = "as declared (timestamp_unit)" if declared != "auto" else (
+        "by magnitude; set timestamp_unit in the definition to override"
+    )  # fmt: skip
+    return f"{path.name}: numeric timestamps read as {_UNIT_NAMES[unit]} since 1970 UTC ({how})"
+
+
+def _days(frame: pd.DataFrame, path: Path, unit: str | None) -> pd.Series:
     try:
-        stamps = pd.to_datetime(frame["timestamp"], utc=True, format="mixed")
-    except (ValueError, TypeError) as exc:
+        if unit is None:
+            stamps = pd.to_datetime(frame["timestamp"], utc=True, format="mixed")
+        else:
+            stamps = pd.to_datetime(frame["timestamp"], utc=True, unit=unit)
+    except (ValueError, TypeError, OverflowError) as exc:
         raise DataError(
             f"{path}: field 'timestamp' has a value that is not a time: {exc}"
         ) from None
     return stamps.dt.date
+
+
+def impossible_rows(
+    frame: pd.DataFrame, outcomes: list[str], allow_negative: list[str]
+) -> pd.Series:
+    """Why each row is impossible ('' when it is fine): a negative count, clicks > impressions.
+
+    The same spirit as the preprocessing job's rejections: such a row is a logging error,
+    and one of them can outweigh thousands of real users in a mean.
+    """
+    reason = pd.Series("", index=frame.index, dtype=object)
+    for column in outcomes:
+        if column not in allow_negative:
+            reason = reason.mask((reason == "") & (frame[column] < 0), f"negative_{column}")
+    for num, den in PARTS:
+        if num in outcomes and den in outcomes:
+            reason = reason.mask((reason == "") & (frame[num] > frame[den]), f"{num}_exceed_{den}")
+    return reason
+
+
+def reject_rows(
+    frame: pd.DataFrame,
+    outcomes: list[str],
+    path: Path,
+    *,
+    allow_negative: list[str],
+    max_fraction: float,
+) -> tuple[pd.DataFrame, pd.DataFrame, str | None]:
+    """(kept rows, rejected rows with a `reason`, the note counting them).
+
+    DataError when more than `max_fraction` of the rows are impossible: then the log, not a
+    few rows, is broken.
+    """
+    reason = impossible_rows(frame, outcomes, allow_negative)
+    bad = (reason != "").to_numpy()
+    if not bad.any():
+        return frame, frame.iloc[:0].assign(**{REASON: pd.Series(dtype=object)}), None
+    counts = reason[bad].value_counts().sort_index()
+    summary = ", ".join(f"{name} {count}" for name, count in counts.items())
+    first = int(np.flatnonzero(bad)[0])
+    share = bad.sum() / len(frame)
+    if share > max_fraction:
+        raise DataError(
+            f"{path}: {bad.sum()} of {len(frame)} rows are impossible ({summary}; first: row "
+            f"{first}, 0-based data row), above max_rejected_fraction {max_fraction:g}: fix "
+            "the log (or raise the limit in the definition)"
+        )
+    note = (
+        f"{path.name}: {bad.sum()} of {len(frame)} rows rejected as impossible ({summary}; "
+        f"first: row {first}) and left out"
+    )
+    return frame[~bad], frame[bad].assign(**{REASON: reason[bad]}), note
 
 
 def user_table(
@@ -119,18 +206,30 @@ def user_table(
     start: dt.date | None = None,
     pre_events: Path | None = None,
     variants: list[str] | None = None,
+    timestamp_unit: str = "auto",
+    max_rejected_fraction: float = 0.01,
+    allow_negative: list[str] | None = None,
 ) -> UserTable:
-    """Per-user sums of the experiment period, with pre-period sums (zero where none)."""
+    """Per-user sums of the experiment period, with pre-period sums (zero where none).
+
+    Impossible rows are dropped (and returned as `rejected`); numeric timestamps are read in
+    `timestamp_unit` (auto: by magnitude), named in the notes.
+    """
     frame = read_log(events_path)
     outcomes = _check(frame, events_path, needs_variant=True)
     if not outcomes:
         raise DataError(f"{events_path}: no numeric outcome column besides {list(KEYS)}")
+    unit = numeric_time_unit(frame["timestamp"], timestamp_unit)
+    frame, rejected, rejected_note = reject_rows(
+        frame, outcomes, events_path, allow_negative=allow_negative or [],
+        max_fraction=max_rejected_fraction,
+    )  # fmt: skip
     frame = frame.assign(
-        user_id=frame["user_id"].astype(str),
+        user_id=user_ids(frame["user_id"]),
         variant=frame["variant"].astype(str),
-        day=_days(frame, events_path),
+        day=_days(frame, events_path, unit),
     )
-    notes: list[str] = []
+    notes = [n for n in (unit_note(unit, timestamp_unit, events_path), rejected_note) if n]
     pre_rows = frame[frame["day"] < start] if start else frame.iloc[:0]
     period = frame[frame["day"] >= start] if start else frame
     held = int((period["variant"] == HOLDOUT).sum())
@@ -149,14 +248,22 @@ def user_table(
     period, mixed = _drop_mixed_users(period)
     if mixed:
         notes.append(f"{mixed} users were seen in more than one variant and are excluded")
-    pre = _pre_period(pre_rows, pre_events, outcomes)
+    pre, pre_rejected = _pre_period(
+        pre_rows, pre_events, outcomes, allow_negative or [], max_rejected_fraction, notes
+    )
     per_user = period.groupby("user_id").agg(
         variant=("variant", "first"), **{c: (c, "sum") for c in outcomes}
     )
     pre = pre.reindex(per_user.index, fill_value=0.0)
     users = per_user.join(pre.add_prefix(PRE))
     daily = period.groupby(["user_id", "day"], as_index=False)[outcomes].sum()
-    return UserTable(users, outcomes, sorted(set(period["day"])), daily, notes)
+    rejected = pd.concat([r for r in (rejected, pre_rejected) if len(r)] or [rejected])
+    return UserTable(users, outcomes, sorted(set(period["day"])), daily, notes, rejected)
+
+
+def user_ids(values: pd.Series) -> pd.Series:
+    """User ids as the assignment hashes them: text, surrounding whitespace removed."""
+    return values.astype(str).str.strip()
 
 
 def _drop_mixed_users(frame: pd.DataFrame) -> tuple[pd.DataFrame, int]:
@@ -165,14 +272,28 @@ def _drop_mixed_users(frame: pd.DataFrame) -> tuple[pd.DataFrame, int]:
     return frame[~frame["user_id"].isin(mixed)], len(mixed)
 
 
-def _pre_period(rows: pd.DataFrame, path: Path | None, outcomes: list[str]) -> pd.DataFrame:
+def _pre_period(
+    rows: pd.DataFrame,
+    path: Path | None,
+    outcomes: list[str],
+    allow_negative: list[str],
+    max_fraction: float,
+    notes: list[str],
+) -> tuple[pd.DataFrame, pd.DataFrame]:
+    """Per-user pre-period sums (from the log's early rows, or a file) and its rejected rows."""
+    rejected = rows.iloc[:0]
     if path is not None:
         frame = read_log(path)
         _check(frame, path, needs_variant=False)
         missing = [c for c in outcomes if c not in frame.columns]
         if missing:
             raise DataError(f"pre-period file {path}: missing outcome column(s) {missing}")
-        rows = frame.assign(user_id=frame["user_id"].astype(str))
+        frame, rejected, note = reject_rows(
+            frame, outcomes, path, allow_negative=allow_negative, max_fraction=max_fraction
+        )
+        notes += [note] if note else []
+        rows = frame.assign(user_id=user_ids(frame["user_id"]))
     if rows.empty:
-        return pd.DataFrame(0.0, index=pd.Index([], name="user_id"), columns=outcomes)
-    return rows.groupby("user_id")[outcomes].sum().astype(np.float64)
+        empty = pd.DataFrame(0.0, index=pd.Index([], name="user_id"), columns=outcomes)
+        return empty, rejected
+    return rows.groupby("user_id")[outcomes].sum().astype(np.float64), rejected

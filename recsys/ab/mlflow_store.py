@@ -30,11 +30,16 @@ def experiment_name(name: str) -> str:
     return f"ab-{name}"
 
 
+def version_number(ref: str) -> str | None:
+    """`3` for the references `3` and `v3`; None for an alias."""
+    match = _VERSION.match(ref)
+    return match.group(1) if match else None
+
+
 def resolve_version(client: MlflowClient, model_name: str, ref: str) -> str | None:
     """The registered version behind `3`, `v3` or an alias (None if the alias is unset)."""
-    match = _VERSION.match(ref)
-    if match:
-        return match.group(1)
+    if (number := version_number(ref)) is not None:
+        return number
     version = registry.alias_version(client, model_name, ref)
     return str(version.version) if version is not None else None
 
@@ -95,6 +100,7 @@ def log_analysis(
     analysis: Analysis,
     definition: ExperimentDefinition,
     artifacts: list[Path],
+    extra_tags: dict[str, str] | None = None,
 ) -> str:
     """One run for this analysis: tags (models, decision, SRM), metrics, chart and JSON."""
     decision = analysis.decision
@@ -107,6 +113,7 @@ def log_analysis(
         "ab.srm": "mismatch" if decision.status == "srm" else "ok",
         "ab.last_day": analysis.last_day,
         "model_name": definition.model_name or "",
+        **(extra_tags or {}),
     }
     for variant in (analysis.control, analysis.treatment):
         tags[f"ab.model.{variant}"] = definition.variants[variant]

@@ -7,6 +7,8 @@ The variance of each metric per user (delta method for ctr) comes from a log wit
 
 from __future__ import annotations
 
+import logging
+import math
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -14,8 +16,11 @@ import numpy as np
 
 from recsys.ab import stats
 from recsys.ab.analysis import metric_columns
-from recsys.ab.events import outcome_columns, read_log
+from recsys.ab.definition import ALPHA, POWER
+from recsys.ab.events import outcome_columns, read_log, reject_rows, user_ids
 from recsys.core.errors import ConfigError
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -35,11 +40,14 @@ def plan(
     power: float = 0.8,
 ) -> list[Plan]:  # fmt: skip
     """Users needed to detect a relative `rel_effect` on each metric, and the MDE of the log."""
-    if not 0 < share_t < 1 or rel_effect == 0:
-        raise ConfigError("--share must be in (0, 1) and --effect non-zero (e.g. 0.02 for 2%)")
+    check_plan_arguments(rel_effect, share_t, alpha, power)
     frame = read_log(events)
     outcomes = outcome_columns(frame, events)
-    per_user = frame.assign(user_id=frame["user_id"].astype(str)).groupby("user_id")[outcomes]
+    # Impossible rows (negative counts, clicks > impressions) as the analysis treats them.
+    frame, _, note = reject_rows(frame, outcomes, events, allow_negative=[], max_fraction=0.01)
+    if note:
+        log.warning("%s", note)
+    per_user = frame.assign(user_id=user_ids(frame["user_id"])).groupby("user_id")[outcomes]
     values = per_user.sum().to_numpy(dtype=np.float64)
     moments = stats.Moments.of(values)
     index = {c: i for i, c in enumerate(outcomes)}
@@ -48,11 +56,36 @@ def plan(
     for name, (num, den) in metric_columns(outcomes).items():
         value, var = stats.value_and_variance(moments, index[num], index[den] if den else None)
         mean, variance = float(value), float(var)
+        if not (math.isfinite(mean) and mean != 0 and math.isfinite(variance)):
+            continue  # a metric that is 0 (or undefined) in the log has no relative lift
         needed = stats.users_needed(variance, rel_effect * mean, share_t=share_t, alpha=alpha,
                                     power=power)  # fmt: skip
         mde = float(stats.mde(variance, n * (1 - share_t), n * share_t, alpha=alpha, power=power))
         plans.append(Plan(name, mean, variance**0.5, n, needed, mde / mean if mean else np.nan))
     return plans
+
+
+MAX_EFFECT = 10.0
+"""Relative lifts `ab plan` plans for lie in (-1, MAX_EFFECT): a drop of less than 100%, a rise
+of less than 1000%."""
+
+
+def check_plan_arguments(rel_effect: float, share_t: float, alpha: float, power: float) -> None:
+    """ConfigError (one line, exit 2) for a value the planning formulas cannot take."""
+    bounds = (
+        ("--effect", rel_effect, -1.0, MAX_EFFECT,
+         "a relative lift, e.g. 0.02 for +2%, -0.05 for -5%; not 0"),
+        ("--share", share_t, 0.0, 1.0, "the treatment's share of the test"),
+        ("--alpha", alpha, *ALPHA, "the significance level, e.g. 0.05"),
+        ("--power", power, *POWER, "e.g. 0.8"),
+    )  # fmt: skip
+    for option, value, low, high, what in bounds:
+        if not (math.isfinite(value) and low < value < high) or (
+            option == "--effect" and value == 0
+        ):
+            raise ConfigError(
+                f"{option} {value!r} must be between {low:g} and {high:g} (exclusive): {what}"
+            )
 
 
 def format_plan(plans: list[Plan], rel_effect: float) -> str:

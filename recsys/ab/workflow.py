@@ -21,11 +21,14 @@ from recsys.ab.definition import ExperimentDefinition, load_definition, make_def
 from recsys.ab.events import read_log, user_table
 from recsys.core.config import RecsysConfig
 from recsys.core.errors import ConfigError, DataError, TrackingError
+from recsys.core.layout import Workdir
 from recsys.core.redact import redact_text
+from recsys.serving_state import sync_serving
 from recsys.tracking.runs import (
     bounded_http_retries,
     connect,
     ensure_experiment,
+    owner_tags,
     resolve_tracking_uri,
 )
 
@@ -124,17 +127,58 @@ def format_report(result: AnalyzeResult) -> str:
     return "\n".join(lines)
 
 
-def read_users(path: Path) -> list[str]:
-    """User ids from a text file (one per line) or a CSV/Parquet with a `user_id` column."""
+@dataclass
+class UserIds:
+    """The users of a file, one each, and what was done to get there."""
+
+    ids: list[str]
+    rows: int
+    duplicates: int
+    stripped: int
+    empty: int
+
+    def describe(self) -> str:
+        """`200 unique of 252 rows (50 duplicates dropped, ...)`."""
+        done = [f"{n} {what}" for n, what in (
+            (self.duplicates, "duplicates dropped"),
+            (self.stripped, "ids stripped of surrounding whitespace"),
+            (self.empty, "empty ids dropped"),
+        ) if n]  # fmt: skip
+        return f"{len(self.ids)} unique of {self.rows} rows" + (
+            f" ({', '.join(done)})" if done else ""
+        )
+
+
+def read_users(path: Path) -> UserIds:
+    """User ids from a text file (one per line) or a CSV/Parquet with a `user_id` column.
+
+    The rule (docs/AB_TESTING.md): an id is text with surrounding whitespace removed (as the
+    analysis reads the log's ids); empty ids are dropped; each user is kept once.
+    """
     if not path.is_file():
         raise DataError(f"users file {path} does not exist")
     if path.suffix.lower() in (".csv", ".parquet", ".pq"):
         frame = read_log(path)
         if "user_id" not in frame.columns:
             raise DataError(f"{path}: no 'user_id' column (found {list(frame.columns)})")
-        return frame["user_id"].astype(str).tolist()
-    lines = path.read_text(encoding="utf-8").splitlines()
-    return [line.strip() for line in lines if line.strip()]
+        raw = frame["user_id"].dropna().astype(str).tolist()
+    else:
+        raw = path.read_text(encoding="utf-8").splitlines()
+    stripped = [r.strip() for r in raw]
+    present = [s for s in stripped if s]
+    ids = list(dict.fromkeys(present))
+    changed = sum(1 for r, s in zip(raw, stripped, strict=True) if s and r != s)
+    return UserIds(ids, len(raw), len(present) - len(ids), changed, len(raw) - len(present))
+
+
+@dataclass
+class Assignment:
+    """What `assign_file` wrote: the file, users per variant, the recorded definition."""
+
+    path: Path
+    counts: dict[str, int]
+    definition: ExperimentDefinition
+    users: UserIds
 
 
 def assign_file(
@@ -145,21 +189,52 @@ def assign_file(
     output: Path,
     *,
     log_to_mlflow: bool = True,
-) -> tuple[Path, dict[str, int], ExperimentDefinition]:
-    """Write user_id,variant,bucket for every user; record the definition in MLflow."""
+    allow_same_version: bool = False,
+) -> Assignment:
+    """Write user_id,variant,bucket for every user; record the definition in MLflow.
+
+    Two variants serving the same registered version are refused (ConfigError) unless
+    `allow_same_version` (an A/A test); nothing is written then.
+    """
     users = read_users(users_path)
+    if log_to_mlflow:
+        with _mlflow(config, workdir) as (client, _):
+            definition = mlflow_store.pin_versions(
+                client, definition, definition.model_name or config.model_name
+            )
+    check_distinct_arms(definition, allow_same_version)
     split = definition.assignment_split()
-    variants = assign_many(users, definition.name, split, holdout=definition.holdout,
+    variants = assign_many(users.ids, definition.name, split, holdout=definition.holdout,
                            salt=definition.salt)  # fmt: skip
-    buckets = [bucket(u, definition.name, definition.salt) for u in users]
+    buckets = [bucket(u, definition.name, definition.salt) for u in users.ids]
     output.parent.mkdir(parents=True, exist_ok=True)
-    pd.DataFrame({"user_id": users, "variant": variants, "bucket": buckets}).to_csv(
+    pd.DataFrame({"user_id": users.ids, "variant": variants, "bucket": buckets}).to_csv(
         output, index=False
     )
     counts = {v: variants.count(v) for v in [*definition.variants, HOLDOUT]}
     if log_to_mlflow:
         definition = record(config, workdir, definition)
-    return output, counts, definition
+    return Assignment(output, counts, definition, users)
+
+
+def check_distinct_arms(definition: ExperimentDefinition, allow_same_version: bool) -> None:
+    """ConfigError when both variants serve one model (same pinned version, or same reference)."""
+    a, b = definition.control, definition.treatment
+    refs = {
+        v: definition.versions.get(v)
+        or mlflow_store.version_number(definition.variants[v])
+        or definition.variants[v]
+        for v in (a, b)
+    }
+    if allow_same_version or refs[a] != refs[b]:
+        return
+    what = f"registered version {refs[a]}" if definition.versions.get(a) else repr(refs[a])
+    raise ConfigError(
+        f"variants {a} and {b} both serve {what} ({a}={definition.variants[a]}, "
+        f"{b}={definition.variants[b]}): the experiment would compare a model with itself. "
+        f"Point {b} at another version (e.g. --variants {a}=champion,{b}=v7), or pass "
+        "--allow-same-version for an A/A test"
+    )
 
 
 def record(
@@ -221,6 +296,7 @@ def analyze_experiment(
     definition_path: Path | None = None,
     pre_events: Path | None = None,
     start: str | None = None,
+    timestamp_unit: str | None = None,
     promote: bool = False,
     log_to_mlflow: bool = True,
 ) -> AnalyzeResult:
@@ -230,14 +306,25 @@ def analyze_experiment(
     )
     if start is not None:
         definition = make_definition({**definition.model_dump(), "start": start}, "--start")
-    table = user_table(events, start=definition.start, pre_events=pre_events,
-                       variants=list(definition.variants))  # fmt: skip
+    if timestamp_unit is not None:
+        definition = make_definition(
+            {**definition.model_dump(), "timestamp_unit": timestamp_unit}, "--timestamp-unit"
+        )
+    table = user_table(
+        events, start=definition.start, pre_events=pre_events, variants=list(definition.variants),
+        timestamp_unit=definition.timestamp_unit,
+        max_rejected_fraction=definition.max_rejected_fraction,
+        allow_negative=definition.allow_negative,
+    )  # fmt: skip
     analysis = analyze(table, definition)
     output.mkdir(parents=True, exist_ok=True)
     files = {
         "json": output / "analysis.json",
         "chart": lift_chart(analysis, output / "lift.png"),
     }
+    if len(table.rejected):
+        files["rejected"] = output / "rejected.csv"
+        table.rejected.to_csv(files["rejected"], index=False)
     result = AnalyzeResult(analysis, definition, files, notes=[f"definition: {source}"])
     if log_to_mlflow or promote:
         with _mlflow(config, workdir) as (client, uri):
@@ -248,16 +335,27 @@ def analyze_experiment(
             if mlflow_store.stored_definition(client, name) is None:
                 mlflow_store.record_definition(client, exp_id, definition)
             _write_json(files["json"], analysis, definition)
-            run_id = mlflow_store.log_analysis(client, exp_id, analysis, definition,
-                                               list(files.values()))  # fmt: skip
+            run_id = mlflow_store.log_analysis(
+                client, exp_id, analysis, definition, list(files.values()), owner_tags(workdir)
+            )
             result.mlflow_run_id, result.definition = run_id, definition
             if promote:
                 result.promoted_version = mlflow_store.promote_winner(
                     client, analysis, definition, run_id
                 )
+                result.notes += _follow_serving(client, config, workdir, definition)
     else:
         _write_json(files["json"], analysis, definition)
     return result
+
+
+def _follow_serving(
+    client: MlflowClient, config: RecsysConfig, workdir: Path, definition: ExperimentDefinition
+) -> list[str]:
+    """models.config and champion.json rewritten from the aliases --promote may have moved."""
+    name = definition.model_name or config.model_name
+    state = sync_serving(client, name, Workdir(workdir), config.export.serving_base_path)
+    return [f"serving: {problem}" for problem in state.problems]
 
 
 def _write_json(path: Path, analysis: Analysis, definition: ExperimentDefinition) -> None:

@@ -152,9 +152,10 @@ class SyntheticConfig(_Strict):
     days: int = Field(14, ge=1, le=36_500)
     seed: int = Field(7, ge=0, le=MAX_SEED)
     item_features: bool = True
-    # taste: the original per-user model (every user scores the whole catalog: small logs
-    # only; the default data). sessions: vectorised, for logs of millions of rows: sessions
-    # on one topic each, whose items follow one another in a fixed order (recsys/synthetic.py).
+    # taste: the per-user model (every user scores the whole catalog: users x items work,
+    # vectorised in blocks of users for large logs; the default data). sessions: for logs of
+    # millions of rows without that work: sessions on one topic each, whose items follow one
+    # another in a fixed order (recsys/synthetic.py).
     shape: Literal["taste", "sessions"] = "taste"
     topics: int = Field(32, ge=1)
     mean_session_length: float = Field(5.0, ge=1)

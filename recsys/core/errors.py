@@ -79,6 +79,13 @@ class ServedModelError(RecsysError):
     exit_code = 11
 
 
+class StateDriftError(RecsysError):
+    """Records that must agree (registry aliases, models.config, champion.json, run states,
+    served versions) do not, and `recsys repair` could not (or, with --check, did not) fix it."""
+
+    exit_code = 12
+
+
 class StageFailedError(RecsysError):
     """A stage failed for a reason that is not bad input or infrastructure (see the log)."""
 
@@ -98,3 +105,10 @@ def storage_errno(exc: BaseException) -> int | None:
         if text and (os.strerror(code) in text or errno.errorcode[code] in text.split()):
             return code
     return None
+
+
+def access_errno(exc: BaseException) -> int | None:
+    """EACCES/EPERM behind `exc`: an OSError's own, or TensorFlow's "Permission denied" text."""
+    if isinstance(exc, OSError) and exc.errno in ACCESS_ERRNOS:
+        return exc.errno
+    return errno.EACCES if os.strerror(errno.EACCES) in str(exc) else None

@@ -39,6 +39,9 @@ SUCCESS = "_SUCCESS"
 STAGES = ("preprocess", "train", "evaluate", "export", "publish")
 # Prefixes of the temporary siblings that atomic writers create; never visible as outputs.
 TEMP_PREFIXES = (".tmp-", ".old-", ".staging-")
+# The full form of such a name, `.<kind>-<what>-pid<pid>-<8 random>` (temp_prefix): the pid
+# says which process made it, so cleanup removes only what a recsys process that is gone left.
+_TEMP_NAME = re.compile(r"^\.(?:tmp|old|staging)-(?:.+-)?pid(\d+)-[a-z0-9_]{8}$")
 _RUN_ID = re.compile(r"^[0-9]{8}T[0-9]{6}Z-[0-9a-f]{8}-[0-9a-f]{4}$")
 
 
@@ -108,6 +111,13 @@ class WorkdirFile(StrEnum):
     CHAMPION = "champion.json"
     LOCK = ".recsys.lock"
     MODELS_CONFIG = "models.config"  # under export/
+
+
+# The folders and files recsys writes directly under the working directory (check_links).
+TOP_LEVEL = (
+    "raw", "data", "runs", "export", "embeddings", "mlflow", "ab", "comparisons", "tune",
+    "embeddings-export", WorkdirFile.CHAMPION, WorkdirFile.LOCK,
+)  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -311,27 +321,64 @@ def end_of_day_utc(date: dt.date) -> int:
     return int(nxt.timestamp())
 
 
+def confine(root: Path, path: Path) -> Path:
+    """`path`, checked to stay inside `root`: ConfigError naming a symbolic link that leaves it.
+
+    Every folder recsys writes into or deletes from is under the working directory; a link
+    in between (`export -> /mnt/other`) would make it write, prune and clean up elsewhere.
+    """
+    real_root = root.resolve()
+    current = root
+    for part in path.relative_to(root).parts:
+        current = current / part
+        if not current.is_symlink():
+            continue
+        target = current.resolve()
+        if target != real_root and real_root not in target.parents:
+            raise ConfigError(
+                f"{current} is a symbolic link to {target}, outside the working directory "
+                f"{root}: recsys writes and deletes only inside --workdir. Replace the link "
+                f"with a folder (or mount the other volume at {current}) and rerun"
+            )
+    return path
+
+
 @dataclass(frozen=True)
 class Workdir:
-    """Paths of every stage's inputs and outputs under one working directory."""
+    """Paths of every stage's inputs and outputs under one working directory.
+
+    Each path is confined to the working directory (`confine`): none leads outside it.
+    """
 
     root: Path
 
+    def path(self, *parts: str) -> Path:
+        """`root/parts...`, refused (ConfigError) if a symbolic link leads outside the root."""
+        return confine(self.root, self.root.joinpath(*parts))
+
+    def check_links(self) -> None:
+        """Refuse a working directory whose own folders link outside it (before any write)."""
+        for name in TOP_LEVEL:
+            folder = self.path(name)
+            if name in ("data", "runs", "export", "embeddings") and folder.is_dir():
+                for child in folder.iterdir():
+                    confine(self.root, child)
+
     def raw(self) -> Path:
-        return self.root / "raw"
+        return self.path("raw")
 
     def data(self, date: dt.date) -> Path:
-        return self.root / "data" / date.isoformat()
+        return self.path("data", date.isoformat())
 
     def runs(self, date: dt.date) -> Path:
-        return self.root / "runs" / date.isoformat()
+        return self.path("runs", date.isoformat())
 
     def run(self, date: dt.date, run_id: str) -> Path:
         if not _RUN_ID.match(run_id):
             raise ConfigError(
                 f"not a run id: {run_id!r} (expected e.g. 20260101T000000Z-0a1b2c3d-9f8e)"
             )
-        return self.runs(date) / run_id
+        return self.path("runs", date.isoformat(), run_id)
 
     def latest_run(self, date: dt.date) -> Path:
         """The newest finished training run for a date."""
@@ -342,20 +389,28 @@ class Workdir:
             )
         return runs[-1]
 
+    def export_root(self) -> Path:
+        """`export/`: the TF Serving model bases and models.config."""
+        return self.path("export")
+
     def export(self, name: str) -> Path:
-        return self.root / "export" / name
+        return self.path("export", name)
+
+    def embeddings_root(self) -> Path:
+        """`embeddings/`: one folder per export version."""
+        return self.path("embeddings")
 
     def embeddings(self, version: int) -> Path:
-        return self.root / "embeddings" / str(version)
+        return self.path("embeddings", str(version))
 
     def mlflow_store(self) -> Path:
-        return self.root / "mlflow"
+        return self.path("mlflow")
 
     def champion_file(self) -> Path:
-        return self.root / WorkdirFile.CHAMPION
+        return self.path(WorkdirFile.CHAMPION)
 
     def models_config(self) -> Path:
-        return self.root / "export" / WorkdirFile.MODELS_CONFIG
+        return self.path("export", WorkdirFile.MODELS_CONFIG)
 
 
 def new_run_id(config_digest: str) -> str:
@@ -406,17 +461,59 @@ def stage_info(folder: Path, stage: str) -> dict[str, object] | None:
     return info if isinstance(info, dict) else None
 
 
+def temp_prefix(kind: str, what: str) -> str:
+    """The start of a temporary name this process makes: `.<kind>-<what>-pid<pid>-`.
+
+    `kind` is tmp, old or staging; 8 random characters complete the name (temp_name, or
+    tempfile's own). Only names of this form are ever cleaned up (clean_temporaries).
+    """
+    if f".{kind}-" not in TEMP_PREFIXES:
+        raise ValueError(f"temporary kind {kind!r} is not one of {TEMP_PREFIXES}")
+    return f".{kind}-{what}-pid{os.getpid()}-"
+
+
+def temp_name(kind: str, what: str) -> str:
+    """A fresh temporary name of this process (temp_prefix + 8 random hex digits)."""
+    return temp_prefix(kind, what) + uuid.uuid4().hex[:8]
+
+
+def left_by_dead_process(path: Path) -> bool:
+    """A temporary folder of recsys's own naming whose process is gone (or is this one).
+
+    Anything else (a look-alike name, a symbolic link, a live process's folder) is not ours
+    to delete.
+    """
+    match = _TEMP_NAME.match(path.name)
+    if match is None or path.is_symlink() or not path.is_dir():
+        return False
+    pid = int(match.group(1))
+    return pid == os.getpid() or not _process_alive(pid)
+
+
+def _process_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # exists, owned by another user
+    return True
+
+
 def clean_temporaries(root: Path) -> list[Path]:
-    """Remove temporary folders left by killed writers (callers hold the workdir lock)."""
+    """Remove temporary folders that killed recsys processes left (callers hold the lock).
+
+    Only recsys's own temporary names (temp_prefix) whose process is gone, one or two
+    levels under data/, runs/, export/ and embeddings/, never through a symbolic link.
+    """
     removed = []
-    for parent in (root / "data", root / "runs", root / "export", root / "embeddings"):
-        if not parent.is_dir():
+    for name in ("data", "runs", "export", "embeddings"):
+        parent = root / name
+        if parent.is_symlink() or not parent.is_dir():
             continue
-        candidates = list(parent.iterdir()) + [
-            p for d in parent.iterdir() if d.is_dir() for p in d.iterdir()
-        ]
-        for path in candidates:
-            if path.name.startswith(TEMP_PREFIXES) and path.is_dir():
+        children = [d for d in parent.iterdir() if d.is_dir() and not d.is_symlink()]
+        for path in [*children, *(p for d in children for p in d.iterdir())]:
+            if left_by_dead_process(path):
                 shutil.rmtree(path, ignore_errors=True)
                 removed.append(path)
     if removed:
@@ -431,7 +528,7 @@ def atomic_dir(target: Path) -> Iterator[Path]:
     A reader never sees a half-written folder: either the old one (replaced whole) or the new.
     """
     target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = target.parent / f".tmp-{target.name}-{uuid.uuid4().hex[:8]}"
+    tmp = target.parent / temp_name("tmp", target.name)
     tmp.mkdir()
     try:
         yield tmp
@@ -449,7 +546,7 @@ def replace_dir(source: Path, target: Path) -> Path:
     """
     target.parent.mkdir(parents=True, exist_ok=True)
     if target.exists():
-        trash = target.parent / f".old-{target.name}-{uuid.uuid4().hex[:8]}"
+        trash = target.parent / temp_name("old", target.name)
         os.replace(target, trash)
         os.replace(source, target)
         shutil.rmtree(trash, ignore_errors=True)

@@ -40,6 +40,7 @@ from recsys.tracking.runs import (
     connect,
     ensure_experiment,
     experiment_name,
+    owner_tags,
     resolve_tracking_uri,
     tracking_error,
 )
@@ -541,6 +542,7 @@ def _log_comparison(
         "compared_refs": " vs ".join(refs),
         "compared_run_ids": ",".join(r.run_id for r in result.runs),
         "baseline_run_id": result.runs[0].run_id,
+        **owner_tags(workdir),
     }
     run = client.create_run(experiment_id, tags=tags, run_name="compare " + " vs ".join(refs))
     run_id = run.info.run_id

@@ -36,6 +36,7 @@ from recsys.core.config import RecsysConfig
 from recsys.core.errors import TrackingError
 from recsys.core.faults import fault_point
 from recsys.tracking.runs import (
+    RUN_FOLDER_TAG,
     TRACKING_FAILURES,
     bounded_http_retries,
     connect,
@@ -69,9 +70,12 @@ class EpochMetricsLogger(tf.keras.callbacks.Callback):
         run_date: dt.date,
         stats: dict[str, Any],
         tracking_uri: str | None = None,
+        run_folder: str | None = None,
     ) -> None:
         super().__init__()
         self._config, self._workdir, self._date, self._stats = config, workdir, run_date, stats
+        # The run folder is part of the run's identity: publishing finds this run by it.
+        self._extra = {} if run_folder is None else {RUN_FOLDER_TAG: run_folder}
         self._uri = tracking_uri or resolve_tracking_uri(config, workdir)
         self._client: MlflowClient | None = None
         self._experiment_id = ""
@@ -117,7 +121,7 @@ class EpochMetricsLogger(tf.keras.callbacks.Callback):
         self._experiment_id = ensure_experiment(
             client, experiment_name(self._config), self._uri, self._workdir
         )
-        tags = nightly_run_tags(self._config, self._date, self._stats, {})
+        tags = nightly_run_tags(self._config, self._date, self._stats, self._extra)
         run_id, logged = nightly_run(client, self._experiment_id, tags, self._date)
         if logged:
             log.info(
@@ -135,7 +139,7 @@ class EpochMetricsLogger(tf.keras.callbacks.Callback):
         if not any(m.step >= epoch for m in history):
             return  # a fresh run, or a resume after the last logged epoch
         old = self.run_id
-        tags = nightly_run_tags(self._config, self._date, self._stats, {})
+        tags = nightly_run_tags(self._config, self._date, self._stats, self._extra)
         self._client.set_tag(old, "recsys.superseded", "true")
         self._client.delete_run(old)
         self.run_id, _ = nightly_run(self._client, self._experiment_id, tags, self._date)

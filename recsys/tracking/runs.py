@@ -12,6 +12,7 @@ import json
 import logging
 import os
 import re
+import socket
 import subprocess
 import tempfile
 import time
@@ -29,6 +30,10 @@ from mlflow.entities import Dataset as DatasetEntity
 from mlflow.entities import DatasetInput, InputTag, Metric, Param, RunStatus, ViewType
 from mlflow.exceptions import MlflowException
 from mlflow.tracking.context.registry import resolve_tags
+from sqlalchemy import create_engine
+from sqlalchemy.engine import make_url
+from sqlalchemy.exc import NoSuchModuleError, OperationalError, SQLAlchemyError
+from sqlalchemy.pool import NullPool
 
 from recsys.core.config import RecsysConfig
 from recsys.core.errors import TrackingError
@@ -80,6 +85,8 @@ _STORE_TMP = ".tmp-mlflow-"  # a store being created (recsys.core.layout.TEMP_PR
 
 # Tags that identify one nightly run: same date, config and data -> the same MLflow run.
 IDENTITY_TAGS = ("run_date", "config_digest", "data_fingerprint")
+# ... and, when given, the run folder: a run trained again into a new folder is a new run.
+RUN_FOLDER_TAG = "run_folder"
 # Set last, once everything was logged: a run without it is resumed, not skipped.
 LOGGED_TAG = "recsys.logged"
 DEFAULT_DEVICE = {"strategy": "one_device", "replicas": "1", "precision": "float32"}
@@ -149,6 +156,44 @@ def nightly_run(
     return run_id, client.get_run(run_id).data.tags.get(LOGGED_TAG) == "true"
 
 
+OWNER_TAG = "recsys.owner"
+"""Run tag `<host>:<workdir>` naming where the recsys process that created a run worked."""
+PID_TAG = "recsys.pid"
+
+
+def owner_tags(workdir: Path) -> dict[str, str]:
+    """Tags for a run this process creates: its host and working directory, and its pid."""
+    owner = f"{socket.gethostname()}:{Path(workdir).resolve()}"
+    return {OWNER_TAG: owner, PID_TAG: str(os.getpid())}
+
+
+def end_abandoned_runs(client: MlflowClient, workdir: Path, *, dry_run: bool = False) -> list[str]:
+    """Mark KILLED the runs still RUNNING that recsys processes of this workdir left.
+
+    The caller holds the working directory's lock, so no recsys process of this host and
+    workdir is running now: a run of theirs still RUNNING was left by a killed process.
+    Runs of other hosts or workdirs are not touched. Returns a line per run (ended or, with
+    `dry_run`, to end).
+    """
+    owner = owner_tags(workdir)[OWNER_TAG]
+    experiments = [e.experiment_id for e in client.search_experiments()]
+    found = []
+    for start in range(0, len(experiments), 100):  # MLflow's limit of experiments per search
+        runs = client.search_runs(
+            experiments[start : start + 100], filter_string="attributes.status = 'RUNNING'"
+        )
+        found += [r for r in runs if r.data.tags.get(OWNER_TAG) == owner]
+    lines = []
+    for run in found:
+        if not dry_run:
+            client.set_terminated(run.info.run_id, RunStatus.to_string(RunStatus.KILLED))
+        lines.append(
+            f"run {run.info.run_id} ({run.info.run_name}, experiment {run.info.experiment_id}, "
+            f"pid {run.data.tags.get(PID_TAG, '?')}) was left RUNNING by a process that is gone"
+        )
+    return lines
+
+
 def experiment_name(config: RecsysConfig) -> str:
     """The MLflow experiment of a model's nightly runs: tracking.experiment, else model_name."""
     return config.tracking.experiment or config.model_name
@@ -196,6 +241,82 @@ def ensure_local_store(workdir: Path) -> Path:
     return store
 
 
+def check_tracking_store(config: RecsysConfig, workdir: Path, uri: str | None = None) -> str:
+    """Check the tracking store before any work; returns its URI, else TrackingError (exit 6).
+
+    A server must answer and accept the credentials (MLFLOW_TRACKING_USERNAME/PASSWORD or
+    TOKEN); a database store's driver must import and the database accept a connection. The
+    local store under the working directory needs neither (it is created on first write).
+    Nothing is created or written; the message never holds a password (redact_text).
+    """
+    uri = uri or resolve_tracking_uri(config, workdir)
+    scheme = uri.split(":", 1)[0].split("+", 1)[0].lower()
+    try:
+        with bounded_http_retries():
+            if scheme in ("http", "https"):
+                wait_for_server(uri, workdir, config.tracking.retries,
+                                config.tracking.backoff_seconds)  # fmt: skip
+                MlflowClient(tracking_uri=uri).search_experiments(max_results=1)
+            elif scheme in _DATABASES:
+                _check_database(uri, config.tracking.retries, config.tracking.backoff_seconds)
+    except TrackingError:
+        raise
+    except (*TRACKING_FAILURES, ImportError, SQLAlchemyError) as exc:
+        raise store_error(uri, exc) from None
+    return uri
+
+
+# SQLAlchemy dialects MLflow's database store accepts (mlflow.store.db.db_types).
+_DATABASES = ("postgresql", "mysql", "mssql")
+
+
+def _check_database(uri: str, attempts: int, backoff_seconds: float) -> None:
+    """The driver imports and the database accepts a connection (tries with backoff)."""
+    url = make_url(uri)
+    try:
+        url.get_dialect().import_dbapi()
+    except (ImportError, NoSuchModuleError) as exc:
+        installed = (
+            " (e.g. postgresql+psycopg2://...)" if url.get_backend_name() == "postgresql" else ""
+        )
+        raise TrackingError(
+            f"the MLflow tracking store {redact_credentials(uri)} needs the database driver of "
+            f"{url.drivername!r}, which is not installed ({type(exc).__name__}: {exc}); name an "
+            f"installed driver in tracking.uri{installed} or install it. Nothing was started"
+        ) from None
+    timeout = {"connect_timeout": 10} if url.get_backend_name() in ("postgresql", "mysql") else {}
+    engine = create_engine(url, connect_args=timeout, poolclass=NullPool)
+    try:
+        for attempt in range(max(attempts, 1)):
+            try:
+                with engine.connect():
+                    return
+            except OperationalError as exc:
+                # Wrong credentials do not get better by waiting.
+                if _refused_credentials(exc) or attempt + 1 >= attempts:
+                    raise
+            time.sleep(backoff_seconds * 2**attempt)
+    finally:
+        engine.dispose()
+
+
+def _refused_credentials(exc: Exception) -> bool:
+    text = str(exc).lower()
+    return any(word in text for word in ("authentication", "password", "access denied"))
+
+
+def store_error(uri: str, exc: BaseException) -> TrackingError:
+    """The one-line TrackingError of a store found unusable before any work started."""
+    reason = getattr(exc, "orig", None) or exc  # SQLAlchemy wraps the driver's own error
+    first = redact_credentials((str(reason).strip().splitlines() or [""])[0])[:300]
+    return TrackingError(
+        f"the MLflow tracking store at {redact_credentials(uri)} cannot be used "
+        f"({type(reason).__name__}: {first}). Nothing was started; fix tracking.uri or "
+        "MLFLOW_TRACKING_URI (credentials: MLFLOW_TRACKING_USERNAME / MLFLOW_TRACKING_PASSWORD, "
+        "or the database's) or start the store (mlflow/README.md), then rerun"
+    )
+
+
 def wait_for_server(uri: str, workdir: Path, attempts: int, backoff_seconds: float) -> None:
     """Return once the server answers HTTP at all; else TrackingError after `attempts` tries."""
     error: Exception | None = None
@@ -215,8 +336,9 @@ def wait_for_server(uri: str, workdir: Path, attempts: int, backoff_seconds: flo
 def find_nightly_run(
     client: MlflowClient, experiment_id: str, tags: Mapping[str, str]
 ) -> str | None:
-    """The newest active run with the same identity tags (date, config digest, data), if any."""
-    query = " and ".join(f"tags.{key} = '{tags[key]}'" for key in IDENTITY_TAGS)
+    """The newest active run with the same identity tags (date, config, data, run folder)."""
+    keys = [*IDENTITY_TAGS, *([RUN_FOLDER_TAG] if RUN_FOLDER_TAG in tags else [])]
+    query = " and ".join(f"tags.{key} = '{tags[key]}'" for key in keys)
     runs = client.search_runs(
         [experiment_id],
         filter_string=query,

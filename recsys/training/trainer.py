@@ -11,6 +11,7 @@ import dataclasses
 import json
 import logging
 import os
+import re
 import tempfile
 import time
 from collections.abc import Iterator
@@ -530,18 +531,28 @@ def _fit_errors(tc: TrainingConfig, replicas: int, backup_dir: Path | None) -> I
         yield
     except tf.errors.ResourceExhaustedError as exc:
         # TensorFlow reports a full disk (a checkpoint write) with the same error type.
-        if storage_errno(exc) is not None:
+        code = storage_errno(exc)
+        if code is not None:
+            # The errno's own words first: TensorFlow's text starts with a long op name
+            # (SaveV2 ...) and a path, which would push them out of a one-line message.
             raise StorageError(
-                f"training: {str(exc).splitlines()[0][:200]} (writing a checkpoint under "
-                f"{backup_dir}); the data and the checkpoints written so far are kept: free "
-                "space there and rerun the same command (training resumes from its last "
-                "checkpoint)"
+                f"training: {os.strerror(code)} writing a checkpoint under {backup_dir} "
+                f"(TensorFlow: {_op_message(exc)}); the data and the checkpoints written so far "
+                "are kept: free space there and rerun the same command (training resumes from "
+                "its last checkpoint)"
             ) from None
         raise OutOfMemoryError(
             f"out of memory training with training.batch_size={tc.batch_size} on "
             f"{replicas} replica(s): lower training.batch_size (e.g. {max(tc.batch_size // 2, 1)})"
             f" or model.embedding_dim; {str(exc).splitlines()[0][:200]}"
         ) from None
+
+
+def _op_message(exc: Exception, limit: int = 200) -> str:
+    """TensorFlow's first error line without its `{{function_node ...}}` prefix, shortened."""
+    line = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+    line = re.sub(r"^\{\{function_node [^}]*\}\}\s*", "", line)
+    return line if len(line) <= limit else "..." + line[-limit:]
 
 
 def _refit(
