@@ -59,9 +59,16 @@ def _parser() -> argparse.ArgumentParser:
         parents=[common],
         help="search model/training settings on the validation split (Optuna, MLflow)",
     )
-    tun.add_argument("--trials", type=int, help="number of trials (default: tune.trials)")
     tun.add_argument(
-        "--timeout", type=float, help="seconds after which no new trial starts (default: none)"
+        "--trials", type=int, help="the study's trial budget, over all its runs (tune.trials)"
+    )
+    tun.add_argument(
+        "--timeout",
+        type=float,
+        help="the study's time budget in seconds, over all its runs (tune.timeout_seconds)",
+    )
+    tun.add_argument(
+        "--workers", type=int, help="trials at once, one process each (default: tune.workers)"
     )
     tun.add_argument(
         "--output", help="winning config YAML (default: <workdir>/tune/<date>/best.yaml)"

@@ -20,7 +20,7 @@ from conductor.promotion import PublishResult
 from recsys import tuning
 from recsys.ab import workflow as ab_workflow
 from recsys.ab.planning import format_plan, plan
-from recsys.core.config import REPO_CONFIGS, RecsysConfig
+from recsys.core.config import MAX_COUNT, MAX_SECONDS, MAX_WORKERS, REPO_CONFIGS, RecsysConfig
 from recsys.core.errors import ConfigError
 from recsys.core.layout import (
     SUCCESS,
@@ -142,17 +142,28 @@ def _run_stage(
     return 0
 
 
+def _check_tune_args(args: argparse.Namespace) -> None:
+    """The budgets and worker count given on the command line, within the config's bounds."""
+    for flag, value, top in (("--trials", args.trials, MAX_COUNT),
+                             ("--workers", args.workers, MAX_WORKERS)):  # fmt: skip
+        if value is not None and not 1 <= value <= top:
+            raise ConfigError(f"{flag} must be at least 1, got {value}" if value < 1 else
+                              f"{flag} must be at most {top:,}, got {value:,}")  # fmt: skip
+    if args.timeout is not None and not 0 < args.timeout <= MAX_SECONDS:
+        raise ConfigError(
+            f"--timeout must be a positive number of seconds up to {MAX_SECONDS:,} (30 days), "
+            f"got {args.timeout}"
+        )
+
+
 def _tune(args: argparse.Namespace, config: RecsysConfig, workdir: Workdir, date: dt.date) -> None:
-    if args.trials is not None and args.trials < 1:
-        raise ConfigError(f"--trials must be at least 1, got {args.trials}")
-    if args.timeout is not None and not args.timeout > 0:
-        raise ConfigError(f"--timeout must be a positive number of seconds, got {args.timeout}")
+    _check_tune_args(args)
     source = Path(args.config) if args.config else REPO_CONFIGS / "default.yaml"
     base = yaml.safe_load(source.read_text()) if source.is_file() else {}
     if args.input:
         config = config.with_input(args.input)
         base["data"] = config.data.model_dump(mode="json", exclude_defaults=True)
-    folder = workdir.root / "tune" / date.isoformat()
+    folder = workdir.tune(date)
     prepared = tuning.preprocess_config(config)
     data_dir = folder / f"data-{prepared.digest()}"
     if not (data_dir / SUCCESS).is_file():
@@ -160,10 +171,11 @@ def _tune(args: argparse.Namespace, config: RecsysConfig, workdir: Workdir, date
     output = Path(args.output) if args.output else folder / "best.yaml"
     result = tuning.tune(
         config, data_dir, output, workdir=workdir.root, trials=args.trials,
-        timeout_seconds=args.timeout, base_yaml=base, run_date=date,
-        callbacks=[KerasProgress()],
+        timeout_seconds=args.timeout, workers=args.workers, base_yaml=base, run_date=date,
     )  # fmt: skip
-    print(f"trials:      {result.states} in {result.seconds:.0f} s")
+    print(f"study:       {result.study} in {result.storage}")
+    print(f"trials:      {result.states}: {result.trials_run} ended in this run "
+          f"({result.seconds:.0f} s), {result.trials_before} before it")  # fmt: skip
     print(f"best:        trial {result.best_trial}, validation {result.best_value:.4f}")
     if result.baseline_value is not None:
         verdict = "no sampled trial beat it" if result.best_is_baseline else "beaten"
