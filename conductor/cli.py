@@ -54,6 +54,11 @@ def _parser() -> argparse.ArgumentParser:
         choices=STAGES,
         help="redo this stage and the ones after it even if they finished (default: resume)",
     )
+    night.add_argument(
+        "--until",
+        choices=STAGES,
+        help="stop after this stage (one orchestrator task per stage; default: publish)",
+    )
     tun = sub.add_parser(
         "tune",
         parents=[common],

@@ -101,6 +101,7 @@ def _run_stage(
             input_path=args.input,
             force_promote=args.force_promote,
             rerun_from=args.rerun_from,
+            until=args.until,
         )
         _print_nightly(night)
     elif args.command == "tune":
@@ -246,14 +247,20 @@ def _compare(args: argparse.Namespace, config: RecsysConfig, workdir: Workdir) -
 
 
 def _print_nightly(result: NightlyResult) -> None:
+    last = result.stages[-1].name
     if result.already_done:
-        print(f"nightly {result.date}: already done, nothing to do (run {result.run_dir})")
+        upto = "" if result.finished else f" up to {last}"
+        print(f"nightly {result.date}: already done{upto}, nothing to do (run {result.run_dir})")
     _print_stats(result.data_dir, _read_stats(result.data_dir))
-    print(f"run:         {result.run_dir}")
+    if result.run_dir is not None:
+        print(f"run:         {result.run_dir}")
     print(
         "stages:      "
         + ", ".join(f"{s.name} {s.status} ({s.seconds:.1f} s)" for s in result.stages)
     )
+    if not result.finished:
+        print(f"stopped:     after {last} (--until); the same command without it continues")
+        return
     exported = json.loads((result.run_dir / RunFile.EXPORT).read_text())
     for name, path in exported.get("models", {}).items():
         print(f"savedmodel:  {name} -> {path}")

@@ -83,9 +83,10 @@ class NightlyResult:
 
     date: dt.date
     data_dir: Path
-    run_dir: Path
+    run_dir: Path | None  # None: stopped after preprocess (`--until preprocess`)
     stages: list[StageOutcome] = field(default_factory=list)
     summary_path: Path | None = None
+    finished: bool = True  # False: stopped after an earlier stage (`--until`)
 
     @property
     def already_done(self) -> bool:
@@ -95,7 +96,7 @@ class NightlyResult:
     def info(self, stage: str) -> dict[str, Any]:
         """The marker of a finished stage (empty if it did not finish)."""
         folder = self.data_dir if stage == "preprocess" else self.run_dir
-        return stage_info(folder, stage) or {}
+        return (stage_info(folder, stage) if folder else None) or {}
 
 
 def preprocess_digest(config: RecsysConfig) -> str:
@@ -117,11 +118,18 @@ def run_nightly(
     force_promote: bool = False,
     rerun_from: str | None = None,
     progress: bool = True,
+    until: str | None = None,
 ) -> NightlyResult:
-    """All stages for `date` under the workdir lock; finished stages are skipped."""
-    with WorkdirLock(workdir.root, command=f"recsys nightly --date {date}"), shown(progress):
+    """All stages for `date` under the workdir lock; finished stages are skipped.
+
+    `until` stops after that stage (an orchestrator's task per stage: the same run folder,
+    markers and resume as a whole nightly); the night's checks, retention and summary run
+    with its last stage, publish.
+    """
+    with WorkdirLock(workdir.root, command=f"recsys nightly --date {date}"):
         clean_temporaries(workdir.root)
-        return _Nightly(config, workdir, date, input_path, force_promote, progress).run(rerun_from)
+        nightly = _Nightly(config, workdir, date, input_path, force_promote, progress)
+        return nightly.run(rerun_from, until)
 
 
 def backfill(
@@ -170,12 +178,15 @@ class _Nightly:
         # Set when training runs in this invocation; else publish reads train.json.
         self._device: dict[str, str] | None = None
 
-    def run(self, rerun_from: str | None) -> NightlyResult:
+    def run(self, rerun_from: str | None, until: str | None = None) -> NightlyResult:
         redo = set(STAGES[STAGES.index(rerun_from) :]) if rerun_from else set()
+        last = STAGES.index(until or STAGES[-1])
         # Of the config as given, not as resolved: the embedded data's generated path depends on
         # where the workdir is, its content only on data.synthetic.
         self._pre_digest = preprocess_digest(self.config.with_input(self.input_path))
         data_dir = self._stage("preprocess", redo, self._preprocess)
+        if last == 0:
+            return NightlyResult(self.date, data_dir, None, self.outcomes, finished=False)
         run_dir = self._run_dir(data_dir, fresh="train" in redo)
         self.run_dir = run_dir
         for name, action in (
@@ -183,9 +194,12 @@ class _Nightly:
             ("evaluate", self._evaluate),
             ("export", self._export),
             ("publish", self._publish),
-        ):
+        )[:last]:
             self._stage(name, redo, action)
         result = NightlyResult(self.date, data_dir, run_dir, self.outcomes)
+        if last < len(STAGES) - 1:
+            result.finished = False
+            return result
         # Every night, done or not: what TF Serving loads must be what was published.
         check_serving(self.workdir.root)
         if result.already_done:
