@@ -262,6 +262,7 @@ class _Search:
     parent: str
     trials: int  # the study's trial budget
     left: int  # trials this run may still start
+    existing: int  # trials the study had when this run began (sampler seeds)
     seconds_left: float | None  # of the study's time budget
 
 
@@ -298,13 +299,14 @@ def tune(
     name = study_name(config, stats, run_date)
     resumed = resume(storage, name, optuna.samplers.TPESampler(seed=tc.seed), _pruner(config))
     study = resumed.study
-    before = trials_ended(study)
+    existing, before = len(study.trials), trials_ended(study)
     left = max(trials - before, 0)
     seconds_left = None if timeout_seconds is None else timeout_seconds - seconds_spent(study)
     if seconds_left is not None and seconds_left <= 0:
         left = 0
     base, skipped = _baseline(config, stats)
-    if resumed.new and base is not None:
+    # Once per study: a resumed study has it (ended, or queued again if it was killed).
+    if base is not None and not any(t.user_attrs.get(BASELINE_ATTR) for t in study.trials):
         study.enqueue_trial(base, user_attrs={BASELINE_ATTR: True})
         log.info("trial 0 is the baseline: the base config's settings %s", base)
     elif skipped is not None:
@@ -325,7 +327,7 @@ def tune(
     except tracking.TRACKING_FAILURES as exc:
         raise _tracking_error(uri, exc) from None
     search = _Search(config, Path(data_dir), storage_url, resumed, uri, client, experiment_id,
-                     parent, trials, left, seconds_left)  # fmt: skip
+                     parent, trials, left, existing, seconds_left)  # fmt: skip
     start = time.perf_counter()
     status = RunStatus.FAILED
     try:
@@ -360,7 +362,7 @@ def _stats(config: RecsysConfig, data_dir: Path) -> dict[str, Any]:
 def _optimize_here(search: _Search, progress: Callable[[int, int], None] | None) -> None:
     """The trials in this process, one after the other."""
     study, tc = search.resumed.study, search.config.tune
-    study.sampler = optuna.samplers.TPESampler(seed=sampler_seed(tc.seed, len(study.trials), 0))
+    study.sampler = optuna.samplers.TPESampler(seed=sampler_seed(tc.seed, search.existing, 0))
     # Optuna's timeout only keeps new trials from starting; the deadline also ends the running
     # trial after its current epoch, so a search overruns its budget by one epoch at most.
     seconds = search.seconds_left
@@ -383,13 +385,12 @@ def _optimize_in_workers(
 ) -> None:
     """The trials in `workers` processes at once; each runs its share of what is left."""
     study = search.resumed.study
-    existing = len(study.trials)
     deadline = None if search.seconds_left is None else time.time() + search.seconds_left
     shares = [search.left // workers + (i < search.left % workers) for i in range(workers)]
     seed = search.config.tune.seed
     specs = [
         {
-            "worker": i, "trials": share, "seed": sampler_seed(seed, existing, i),
+            "worker": i, "trials": share, "seed": sampler_seed(seed, search.existing, i),
             "config": search.config.model_dump(mode="json"), "data_dir": str(search.data_dir),
             "study": study.study_name, "uid": search.resumed.uid, "deadline": deadline,
             "tracking_uri": search.tracking_uri, "experiment_id": search.experiment_id,
@@ -427,7 +428,7 @@ def run_worker(spec: dict[str, Any]) -> None:
     resumed = Resumed(study, spec["uid"], new=False, killed=[])
     search = _Search(config, Path(spec["data_dir"]), "", resumed, spec["tracking_uri"],
                      MlflowClient(spec["tracking_uri"]), spec["experiment_id"], spec["parent"],
-                     spec["trials"], spec["trials"], seconds)  # fmt: skip
+                     spec["trials"], spec["trials"], 0, seconds)  # fmt: skip
     deadline = None if seconds is None else time.monotonic() + seconds
     log.info("worker %d: %d trial(s) on %d core(s)", spec["worker"], spec["trials"], threads)
     study.optimize(

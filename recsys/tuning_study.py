@@ -77,6 +77,11 @@ def open_storage(url: str) -> optuna.storages.BaseStorage:
             _create_schema(url)
             options = {"options": f"-csearch_path={PG_SCHEMA}"}
             storage = optuna.storages.RDBStorage(url, engine_kwargs={"connect_args": options})
+    except ImportError as exc:
+        raise ConfigError(
+            f"the database driver of the tuning study's storage {redact_text(url)} is not "
+            f"installed ({exc.name}): name the installed one, e.g. postgresql+psycopg2://..."
+        ) from None
     except sqlalchemy.exc.SQLAlchemyError as exc:
         reason = redact_text((str(exc).strip().splitlines() or [""])[0])[:300]
         raise TrackingError(
