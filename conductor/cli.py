@@ -11,7 +11,8 @@ from typing import Any
 from recsys.core.config import load_config
 from recsys.core.errors import ACCESS_ERRNOS, RecsysError, StorageError, storage_errno
 from recsys.core.layout import STAGES, parse_date
-from recsys.core.redact import install_log_redaction, redact_text
+from recsys.core.logs import configure_logging
+from recsys.core.redact import redact_text
 
 log = logging.getLogger("recsys")
 
@@ -163,17 +164,7 @@ def _ab_parsers(ab_sub: Any, common: argparse.ArgumentParser) -> None:
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point: run one subcommand; a user error becomes one line and a non-zero exit."""
     args = _parser().parse_args(argv)
-    logging.basicConfig(
-        level=logging.DEBUG if args.verbose else logging.INFO,
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-        stream=sys.stderr,
-    )
-    for noisy in ("apache_beam", "absl", "tensorflow", "mlflow", "alembic"):
-        logging.getLogger(noisy).setLevel(logging.WARNING)
-    # Every log line (ours, MLflow's, Beam's, and warnings routed through logging) loses URI
-    # credentials and secret values before it is written (docs/OPERATIONS.md, Security).
-    logging.captureWarnings(True)
-    install_log_redaction()
+    configure_logging(logging.DEBUG if args.verbose else logging.INFO)
     try:
         # Checked before the commands' import, which is about 5 s (TensorFlow, Beam, MLflow;
         # `python -X importtime`) that `--help` and a bad config or date never need.

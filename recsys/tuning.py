@@ -53,7 +53,8 @@ from recsys.core.errors import (
     TrackingError,
 )
 from recsys.core.layout import DataFile
-from recsys.core.redact import install_log_redaction, redact_text
+from recsys.core.logs import configure_logging
+from recsys.core.redact import redact_text
 from recsys.model.defaults import DataShape, resolve_schedule
 from recsys.model.defaults import resolve as resolve_auto
 from recsys.tracking import runs as tracking
@@ -494,8 +495,11 @@ def _parent_run(
     note = "trial 0" if skipped is None else skipped[:500]
     if old is not None:
         note = old.data.params.get("baseline", note)
-    run_id = _start_parent(client, experiment_id, config, stats, trials, run_date, resumed.uid,
-                           note, previous if old is not None else None)  # fmt: skip
+    tags = _parent_tags(config, stats, trials, run_date, resumed.uid)
+    if old is not None:
+        tags[CONTINUES_TAG] = old.info.run_id
+    run_id = client.create_run(experiment_id, tags=tags).info.run_id
+    client.log_batch(run_id, params=_parent_params(config, trials, note))
     resumed.study.set_user_attr(PARENT_ATTR, run_id)
     return run_id
 
@@ -513,19 +517,11 @@ def _active_run(client: MlflowClient, run_id: str | None) -> Any:
     return run if run.info.lifecycle_stage == "active" else None
 
 
-def _start_parent(
-    client: MlflowClient,
-    experiment_id: str,
-    config: RecsysConfig,
-    stats: dict[str, Any],
-    trials: int,
-    run_date: dt.date | None,
-    uid: str,
-    baseline: str,
-    continues: str | None,
-) -> str:
+def _parent_tags(
+    config: RecsysConfig, stats: dict[str, Any], trials: int, run_date: dt.date | None, uid: str
+) -> dict[str, str]:
     stamp = f"{dt.datetime.now(dt.UTC):%Y%m%dT%H%M%SZ}"
-    tags = {
+    return {
         MLFLOW_RUN_NAME: f"tune-{run_date or stamp}",
         KIND_TAG: "tune",
         STUDY_TAG: uid,
@@ -535,21 +531,20 @@ def _start_parent(
         "data_fingerprint": str(stats.get("fingerprint", "")),
         "git_commit": tracking.git_commit(),
     }
-    if continues:
-        tags[CONTINUES_TAG] = continues
-    run_id = client.create_run(experiment_id, tags=tags).info.run_id
+
+
+def _parent_params(config: RecsysConfig, trials: int, baseline: str) -> list[Param]:
     tc = config.tune
     params = [Param(f"space.{k}", json.dumps(v.model_dump(exclude_none=True)))
               for k, v in tc.space.items()]  # fmt: skip
-    params += [
+    return [
+        *params,
         Param("metric", tc.metric),
         Param("trials", str(trials)),
         Param("pruner", tc.pruner),
         Param("seed", str(tc.seed)),
         Param("baseline", baseline),
     ]
-    client.log_batch(run_id, params=params)
-    return run_id
 
 
 class _Objective:
@@ -727,15 +722,7 @@ def _wrap(text: str, width: int = 96) -> list[str]:
 def _worker_main() -> int:
     """`python -m recsys.tuning worker`: settings as JSON on stdin (recsys.tuning_parallel)."""
     spec = json.load(sys.stdin)
-    logging.basicConfig(
-        level=logging.INFO,
-        format=f"%(asctime)s %(levelname)s %(name)s [worker {spec['worker']}]: %(message)s",
-        stream=sys.stderr,
-    )
-    for noisy in ("absl", "tensorflow", "mlflow", "alembic", "optuna"):
-        logging.getLogger(noisy).setLevel(logging.WARNING)
-    logging.captureWarnings(True)
-    install_log_redaction()
+    configure_logging(tag=f"worker {spec['worker']}")
     try:
         run_worker(spec)
     except RecsysError as exc:

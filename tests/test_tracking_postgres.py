@@ -27,7 +27,7 @@ from recsys.core.layout import Workdir
 from recsys.tracking import registry
 from tests.conftest import SMALL
 from tests.mlflow_server import MlflowServer, free_port, mlflow_server
-from tests.postgres_server import PostgresServer, count, create_database, find_bin, postgres_server
+from tests.postgres_server import PostgresServer, count, create_database, postgres_or_skip
 from tests.test_tracking_registry import DATE, PER_USER, configured, fake_run
 
 pytestmark = pytest.mark.slow
@@ -35,10 +35,7 @@ pytestmark = pytest.mark.slow
 
 @pytest.fixture(scope="module")
 def postgres() -> Iterator[PostgresServer]:
-    bin_dir, reason = find_bin()
-    if bin_dir is None:
-        pytest.skip(reason)
-    with postgres_server(bin_dir) as server:
+    with postgres_or_skip() as server:
         yield server
 
 

@@ -29,7 +29,7 @@ from recsys.core.config import RecsysConfig, parse_config
 from recsys.core.errors import ConfigError
 from recsys.core.layout import Workdir
 from tests.conftest import REPO, SMALL, SMALL_DATE
-from tests.postgres_server import PostgresServer, count, find_bin, postgres_server
+from tests.postgres_server import PostgresServer, count, postgres_or_skip
 
 SPACE = {
     "model.embedding_dim": {"choices": [8, 16]},
@@ -288,10 +288,7 @@ def test_cli_rejects_unbounded_budgets(tmp_path: Path, capsys, args: list[str], 
 
 @pytest.fixture(scope="module")
 def postgres() -> Iterator[PostgresServer]:
-    bin_dir, reason = find_bin()
-    if bin_dir is None:
-        pytest.skip(reason)
-    with postgres_server(bin_dir) as server:
+    with postgres_or_skip() as server:
         yield server
 
 
