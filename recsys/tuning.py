@@ -301,23 +301,10 @@ def tune(
     resumed = resume(storage, name, optuna.samplers.TPESampler(seed=tc.seed), _pruner(config))
     study = resumed.study
     existing, before = len(study.trials), trials_ended(study)
-    left = max(trials - before, 0)
-    seconds_left = None if timeout_seconds is None else timeout_seconds - seconds_spent(study)
-    if seconds_left is not None and seconds_left <= 0:
-        left = 0
-    base, skipped = _baseline(config, stats)
-    # Once per study: a resumed study has it (ended, or queued again if it was killed).
-    if base is not None and not any(t.user_attrs.get(BASELINE_ATTR) for t in study.trials):
-        study.enqueue_trial(base, user_attrs={BASELINE_ATTR: True})
-        log.info("trial 0 is the baseline: the base config's settings %s", base)
-    elif skipped is not None:
-        log.warning("no baseline trial: %s", skipped)
-    log.info(
-        "study %s in %s: %d of %d trials ended before this run%s; %d to run with %d worker(s)",
-        name, redact_text(storage_url), before, trials,
-        "" if timeout_seconds is None else f", {timeout_seconds - (seconds_left or 0):.0f} s "
-        f"of {timeout_seconds:.0f} s used", left, min(workers, left) or workers,
-    )  # fmt: skip
+    skipped = _queue_baseline(config, stats, study)
+    left, seconds_left = _budget_left(study, trials, timeout_seconds)
+    log.info("study %s in %s: %d of %d trials ended before this run; %d to run, %d at once",
+             name, redact_text(storage_url), before, trials, left, min(workers, left))  # fmt: skip
     experiment = tune_experiment(config)
     try:
         client = tracking.connect(config, workdir, uri)
@@ -348,6 +335,31 @@ def tune(
     finally:
         with suppress(*tracking.TRACKING_FAILURES), tracking.bounded_http_retries():
             client.set_terminated(parent, RunStatus.to_string(status))
+
+
+def _queue_baseline(config: RecsysConfig, stats: dict[str, Any], study: optuna.Study) -> str | None:
+    """Queue the base config's settings once per study; None, or why there is no such trial."""
+    base, skipped = _baseline(config, stats)
+    # A resumed study has it already (ended, or queued again if it was killed).
+    if base is not None and not any(t.user_attrs.get(BASELINE_ATTR) for t in study.trials):
+        study.enqueue_trial(base, user_attrs={BASELINE_ATTR: True})
+        log.info("trial 0 is the baseline: the base config's settings %s", base)
+    elif skipped is not None:
+        log.warning("no baseline trial: %s", skipped)
+    return skipped
+
+
+def _budget_left(
+    study: optuna.Study, trials: int, timeout_seconds: float | None
+) -> tuple[int, float | None]:
+    """Trials this run may start, and seconds it has: the study's budgets less what it used."""
+    left = max(trials - trials_ended(study), 0)
+    if timeout_seconds is None:
+        return left, None
+    spent = seconds_spent(study)
+    log.info("time budget: %.0f s of %.0f s used by earlier trials", spent, timeout_seconds)
+    seconds = timeout_seconds - spent
+    return (left if seconds > 0 else 0), seconds
 
 
 def _stats(config: RecsysConfig, data_dir: Path) -> dict[str, Any]:

@@ -109,3 +109,16 @@ def test_nightly_until_stops_after_a_stage_and_the_next_task_continues(
     out = capsys.readouterr().out
     assert f"already done up to train, nothing to do (run {run})" in out
     assert list((work / "runs" / SMALL_DATE).iterdir()) == [run]
+
+
+def test_kubernetes_jobs_fail_at_once_on_the_codes_airflow_does_not_retry() -> None:
+    fail = sorted(_constants(AIRFLOW / "recsys_nightly.py")["FAIL"])  # type: ignore[call-overload]
+    for manifest in ("cronjob.yaml", "gpu/cronjob.yaml"):
+        docs = yaml.safe_load_all((REPO / "deploy" / "kubernetes" / manifest).read_text())
+        for job in (d for d in docs if d["kind"] == "CronJob"):
+            spec = job["spec"]["jobTemplate"]["spec"]
+            assert spec["template"]["spec"]["restartPolicy"] == "Never"  # the policy needs it
+            (rule,) = spec["podFailurePolicy"]["rules"]
+            assert rule["action"] == "FailJob" and rule["onExitCodes"]["operator"] == "In"
+            assert rule["onExitCodes"]["values"] == fail, (manifest, job["metadata"]["name"])
+            assert spec["backoffLimit"] >= 1  # a killed pod is retried and resumes
