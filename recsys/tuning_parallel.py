@@ -170,15 +170,15 @@ def worker_error(exits: list[WorkerExit]) -> RecsysError | None:
         return None
     first = failed[0]
     how = (
-        f"was killed by signal {-first.code}"
+        f"was killed by signal {-first.code} (from outside: the OOM killer, a kill)"
         if first.code < 0
-        else f"exited with code {first.code}"
+        else f"exited with code {first.code} (its error is in the log above)"
     )
     kind = next((c for c in _ERRORS if c.exit_code == first.code), StageFailedError)
     return kind(
-        f"tuning worker {first.worker} (pid {first.pid}) {how} (its error is in the log "
-        f"above; {len(failed)} of {len(exits)} workers failed); the trials it was running are "
-        "failed and queued again: rerun the same command to continue the study"
+        f"tuning worker {first.worker} (pid {first.pid}) {how}; {len(failed)} of {len(exits)} "
+        "workers failed. The trials they were running are failed and queued again: rerun the "
+        "same command to continue the study"
     )
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import datetime as dt
 import math
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -167,6 +168,40 @@ def test_two_workers_run_trials_in_two_processes_on_one_study(tmp_path: Path, ca
     assert all(r.info.status == "FINISHED" for r in runs)
     # Trial 0 is still the base config's settings, whichever worker ran it.
     assert study.trials[0].user_attrs.get(tuning_study.BASELINE_ATTR) is True
+
+
+@pytest.mark.slow
+def test_a_killed_worker_fails_the_search_and_its_trial_is_rerun(tmp_path: Path) -> None:
+    config = tmp_path / "small.yaml"
+    config.write_text(yaml.safe_dump(RAW))
+    work = tmp_path / "work"
+    log = tmp_path / "first.log"
+    command = _cli(config, work, "--trials", "4", "--workers", "2")
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    with log.open("wb") as out:
+        first = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=env,
+                                 cwd=REPO)  # fmt: skip
+        _wait_for(log, "[worker 1]: trial ", first)
+        pids = re.search(r"tuning workers started: pids \[(\d+), (\d+)\]", log.read_text())
+        assert pids is not None
+        os.kill(int(pids[2]), signal.SIGKILL)  # worker 1, in the middle of its trial
+        assert first.wait(timeout=900) == 10
+    text = log.read_text(errors="replace")
+    assert f"tuning worker 1 (pid {pids[2]}) was killed by signal 9" in text
+    killed = [t for t in _study(work).trials if t.user_attrs.get(tuning_study.KILLED_ATTR)]
+    assert [t.user_attrs[tuning_study.PID_ATTR] for t in killed] == [int(pids[2])]
+    assert all(r.info.status != "RUNNING" for r in _runs(_store(work)))
+
+    again = subprocess.run(command, capture_output=True, text=True, env=env, cwd=REPO,
+                           timeout=900)  # fmt: skip
+    assert again.returncode == 0, again.stderr[-3000:]
+    study = _study(work)
+    assert tuning_study.trials_ended(study) == 4
+    reruns = [t for t in study.trials if t.user_attrs.get(tuning_study.RETRY_ATTR) is not None]
+    assert [(t.user_attrs[tuning_study.RETRY_ATTR], t.params) for t in reruns] == [
+        (killed[0].number, killed[0].params)
+    ]
+    assert all(r.info.status != "RUNNING" for r in _runs(_store(work)))
 
 
 def test_a_search_continues_its_study_over_runs_and_budgets(
