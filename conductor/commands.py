@@ -261,14 +261,14 @@ def _print_nightly(result: NightlyResult) -> None:
     if not result.finished:
         print(f"stopped:     after {last} (--until); the same command without it continues")
         return
-    exported = json.loads((result.run_dir / RunFile.EXPORT).read_text())
+    exported = json.loads((result.run / RunFile.EXPORT).read_text())
     for name, path in exported.get("models", {}).items():
         print(f"savedmodel:  {name} -> {path}")
     for name, path in exported.get("embeddings", {}).items():
         print(f"embeddings:  {name} -> {path}")
     publish = result.info("publish")
     print(f"mlflow run:  {publish.get('mlflow_run_id')}")
-    metrics = json.loads((result.run_dir / RunFile.METRICS).read_text())
+    metrics = json.loads((result.run / RunFile.METRICS).read_text())
     _print_metrics(metrics)
     print(
         f"registered:  version {publish.get('registered_version')} "

@@ -37,6 +37,7 @@ from recsys.core.errors import (
     ConfigError,
     RecsysError,
     StageFailedError,
+    StageNotReadyError,
     StorageError,
     storage_errno,
 )
@@ -87,6 +88,13 @@ class NightlyResult:
     stages: list[StageOutcome] = field(default_factory=list)
     summary_path: Path | None = None
     finished: bool = True  # False: stopped after an earlier stage (`--until`)
+
+    @property
+    def run(self) -> Path:
+        """The run folder; every stage after preprocess has one."""
+        if self.run_dir is None:
+            raise StageNotReadyError(f"nightly {self.date} stopped after preprocess: no run yet")
+        return self.run_dir
 
     @property
     def already_done(self) -> bool:
@@ -494,7 +502,7 @@ def write_summary(result: NightlyResult) -> Path:
         + ", ".join(f"{k} {v}" for k, v in splits.items()),
         "",
     ]
-    lines += _metrics_table(result.run_dir, ev.get("metrics") or {})
+    lines += _metrics_table(result.run, ev.get("metrics") or {})
     lines += [
         "",
         "## Gate and export",
@@ -504,7 +512,7 @@ def write_summary(result: NightlyResult) -> Path:
         f"- Export version {exp.get('version')}",
         "",
     ]
-    path = result.run_dir / SUMMARY
+    path = result.run / SUMMARY
     tmp = path.with_suffix(".tmp")
     tmp.write_text("\n".join(lines))
     tmp.replace(path)

@@ -159,10 +159,10 @@ def resume(
         study_name=name, storage=storage, sampler=sampler, pruner=pruner,
         direction="maximize", load_if_exists=True,
     )  # fmt: skip
-    uid = study.user_attrs.get(STUDY_TAG)
-    new = uid is None
+    known = study.user_attrs.get(STUDY_TAG)
+    new = known is None
+    uid = uuid.uuid4().hex if known is None else str(known)
     if new:
-        uid = uuid.uuid4().hex
         study.set_user_attr(STUDY_TAG, uid)
     killed = requeue_running(study, storage)
     if killed:
