@@ -173,6 +173,7 @@ def _tune(args: argparse.Namespace, config: RecsysConfig, workdir: Workdir, date
     result = tuning.tune(
         config, data_dir, output, workdir=workdir.root, trials=args.trials,
         timeout_seconds=args.timeout, workers=args.workers, base_yaml=base, run_date=date,
+        callbacks=[KerasProgress()],
     )  # fmt: skip
     print(f"study:       {result.study} in {result.storage}")
     print(f"trials:      {result.states}: {result.trials_run} ended in this run "

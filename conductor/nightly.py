@@ -134,7 +134,7 @@ def run_nightly(
     markers and resume as a whole nightly); the night's checks, retention and summary run
     with its last stage, publish.
     """
-    with WorkdirLock(workdir.root, command=f"recsys nightly --date {date}"):
+    with WorkdirLock(workdir.root, command=f"recsys nightly --date {date}"), shown(progress):
         clean_temporaries(workdir.root)
         nightly = _Nightly(config, workdir, date, input_path, force_promote, progress)
         return nightly.run(rerun_from, until)

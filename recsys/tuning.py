@@ -23,7 +23,7 @@ import os
 import sys
 import time
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from contextlib import suppress
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -54,6 +54,7 @@ from recsys.core.errors import (
 )
 from recsys.core.layout import DataFile
 from recsys.core.logs import configure_logging
+from recsys.core.progress import bar
 from recsys.core.redact import redact_text
 from recsys.model.defaults import DataShape, resolve_schedule
 from recsys.model.defaults import resolve as resolve_auto
@@ -265,6 +266,8 @@ class _Search:
     left: int  # trials this run may still start
     existing: int  # trials the study had when this run began (sampler seeds)
     seconds_left: float | None  # of the study's time budget
+    # Keras callbacks for every trial's training in this process (a progress bar).
+    callbacks: list[tf.keras.callbacks.Callback] = field(default_factory=list)
 
 
 def tune(
@@ -278,7 +281,7 @@ def tune(
     workers: int | None = None,
     base_yaml: dict[str, Any] | None = None,
     run_date: dt.date | None = None,
-    progress: Callable[[int, int], None] | None = None,
+    callbacks: Sequence[tf.keras.callbacks.Callback] = (),
 ) -> TuneResult:
     """Search `config.tune.space` on data_dir's validation split; write the winner to `output`.
 
@@ -286,8 +289,8 @@ def tune(
     it, and the budgets (`trials`, `timeout_seconds`) count all its runs. `workers` > 1 runs
     trials in that many processes (recsys.tuning_parallel). `base_yaml` is the config file as
     written (the output keeps its layout and data section); by default the whole validated
-    config is written. The test split is never read. `progress(ended, trials)` is called as
-    trials end: the hook for a progress display.
+    config is written. The test split is never read. `callbacks` are given to every trial's
+    training in this process (a progress bar; not to worker processes).
     """
     stats = _stats(config, data_dir)
     tc = config.tune
@@ -315,14 +318,20 @@ def tune(
     except tracking.TRACKING_FAILURES as exc:
         raise _tracking_error(uri, exc) from None
     search = _Search(config, Path(data_dir), storage_url, resumed, uri, client, experiment_id,
-                     parent, trials, left, existing, seconds_left)  # fmt: skip
+                     parent, trials, left, existing, seconds_left, list(callbacks))  # fmt: skip
     start = time.perf_counter()
     status = RunStatus.FAILED
     try:
-        if left and workers == 1:
-            _optimize_here(search, progress)
-        elif left:
-            _optimize_in_workers(search, storage, workers, progress)
+        # The study's trials: those of earlier runs count from the start.
+        with bar("tune", trials, "trials", initial=before) as done:
+
+            def progress(ended: int) -> None:
+                done.update(ended - done.n)
+
+            if left and workers == 1:
+                _optimize_here(search, progress)
+            elif left:
+                _optimize_in_workers(search, storage, workers, progress)
         result = _finish(config, study, client, parent, experiment, output, base_yaml)
         result.seconds = time.perf_counter() - start
         result.baseline_skipped = skipped
@@ -372,7 +381,7 @@ def _stats(config: RecsysConfig, data_dir: Path) -> dict[str, Any]:
     return stats
 
 
-def _optimize_here(search: _Search, progress: Callable[[int, int], None] | None) -> None:
+def _optimize_here(search: _Search, progress: Callable[[int], None]) -> None:
     """The trials in this process, one after the other."""
     study, tc = search.resumed.study, search.config.tune
     study.sampler = optuna.samplers.TPESampler(seed=sampler_seed(tc.seed, search.existing, 0))
@@ -380,13 +389,14 @@ def _optimize_here(search: _Search, progress: Callable[[int, int], None] | None)
     # trial after its current epoch, so a search overruns its budget by one epoch at most.
     seconds = search.seconds_left
     deadline = None if seconds is None else time.monotonic() + seconds
-    callbacks = []
-    if progress is not None:
-        callbacks.append(lambda s, _: progress(trials_ended(s), search.trials))
+
+    def ended(finished: optuna.Study, _: optuna.trial.FrozenTrial) -> None:
+        progress(trials_ended(finished))
+
     # An out-of-memory trial (too big a batch) fails alone; the search goes on.
     study.optimize(
         _Objective(search, deadline), n_trials=search.left, timeout=seconds,
-        catch=(OutOfMemoryError,), callbacks=callbacks,
+        catch=(OutOfMemoryError,), callbacks=[ended],
     )  # fmt: skip
 
 
@@ -394,7 +404,7 @@ def _optimize_in_workers(
     search: _Search,
     storage: optuna.storages.BaseStorage,
     workers: int,
-    progress: Callable[[int, int], None] | None,
+    progress: Callable[[int], None],
 ) -> None:
     """The trials in `workers` processes at once; each runs its share of what is left."""
     study = search.resumed.study
@@ -411,8 +421,7 @@ def _optimize_in_workers(
         }
         for i, share in enumerate(shares) if share
     ]  # fmt: skip
-    report = None if progress is None else (lambda ended: progress(ended, search.trials))
-    exits = tuning_parallel.run_workers(search.storage_url, study.study_name, specs, report)
+    exits = tuning_parallel.run_workers(search.storage_url, study.study_name, specs, progress)
     # A worker that died left its trial RUNNING: failed and queued for the next run.
     requeue_running(study, storage)
     with tracking.bounded_http_retries():
@@ -567,6 +576,7 @@ class _Objective:
         self.client, self.experiment_id = search.client, search.experiment_id
         self.parent, self.uid = search.parent, search.resumed.uid
         self.deadline, self.worker = deadline, worker
+        self.callbacks = search.callbacks
 
     def __call__(self, trial: optuna.Trial) -> float:
         # First: a process that dies from here on leaves a trial its resume can attribute.

@@ -66,6 +66,15 @@ def _cli(config: Path, work: Path, *extra: str) -> list[str]:
             "--workdir", str(work), "--date", SMALL_DATE, *extra]  # fmt: skip
 
 
+def _search(tmp_path: Path, *extra: str) -> tuple[Path, Path, list[str], dict[str, str]]:
+    """A search to run in a subprocess: its workdir, its log, its command and environment."""
+    config = tmp_path / "small.yaml"
+    config.write_text(yaml.safe_dump(RAW))
+    work = tmp_path / "work"
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    return work, tmp_path / "first.log", _cli(config, work, *extra), env
+
+
 def _wait_for(log: Path, text: str, process: subprocess.Popen[bytes]) -> None:
     """Until `text` is in the log; a process that ended first or hangs fails the test."""
     deadline = time.monotonic() + 600
@@ -80,14 +89,10 @@ def _wait_for(log: Path, text: str, process: subprocess.Popen[bytes]) -> None:
 
 @pytest.mark.slow
 def test_a_killed_search_resumes_its_study_and_leaves_no_run_running(tmp_path: Path) -> None:
-    config = tmp_path / "small.yaml"
-    config.write_text(yaml.safe_dump(RAW))
-    work = tmp_path / "work"
-    log = tmp_path / "first.log"
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    work, log, command, env = _search(tmp_path, "--trials", "4")
     with log.open("wb") as out:
-        first = subprocess.Popen(_cli(config, work, "--trials", "4"), stdout=out,
-                                 stderr=subprocess.STDOUT, env=env, cwd=REPO)  # fmt: skip
+        first = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=env,
+                                 cwd=REPO)  # fmt: skip
         # Trial 0 ended and trial 1 is training (its MLflow run exists before this line).
         _wait_for(log, "recsys.tuning: trial 1: ", first)
         first.send_signal(signal.SIGKILL)
@@ -98,8 +103,8 @@ def test_a_killed_search_resumes_its_study_and_leaves_no_run_running(tmp_path: P
     interrupted = _study(work).trials[1]
     assert interrupted.state == TrialState.RUNNING
 
-    again = subprocess.run(_cli(config, work, "--trials", "4"), capture_output=True, text=True,
-                           env=env, cwd=REPO, timeout=900)  # fmt: skip
+    again = subprocess.run(command, capture_output=True, text=True, env=env, cwd=REPO,
+                           timeout=900)  # fmt: skip
     assert again.returncode == 0, again.stderr[-3000:]
     assert "1 before it" in again.stdout and "3 ended in this run" in again.stdout
 
@@ -138,8 +143,8 @@ def test_a_killed_search_resumes_its_study_and_leaves_no_run_running(tmp_path: P
     assert parent.data.tags["best_trial_run_id"] == best.user_attrs["mlflow_run_id"]
 
     # Run once more: the budget is spent, nothing runs, nothing is left RUNNING.
-    done = subprocess.run(_cli(config, work, "--trials", "4"), capture_output=True, text=True,
-                          env=env, cwd=REPO, timeout=900)  # fmt: skip
+    done = subprocess.run(command, capture_output=True, text=True, env=env, cwd=REPO,
+                          timeout=900)  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
     assert "0 ended in this run" in done.stdout and len(_study(work).trials) == 5
     assert all(r.info.status != "RUNNING" for r in _runs(_store(work)))
@@ -172,12 +177,7 @@ def test_two_workers_run_trials_in_two_processes_on_one_study(tmp_path: Path, ca
 
 @pytest.mark.slow
 def test_a_killed_worker_fails_the_search_and_its_trial_is_rerun(tmp_path: Path) -> None:
-    config = tmp_path / "small.yaml"
-    config.write_text(yaml.safe_dump(RAW))
-    work = tmp_path / "work"
-    log = tmp_path / "first.log"
-    command = _cli(config, work, "--trials", "4", "--workers", "2")
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    work, log, command, env = _search(tmp_path, "--trials", "4", "--workers", "2")
     with log.open("wb") as out:
         first = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=env,
                                  cwd=REPO)  # fmt: skip
