@@ -4,8 +4,11 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 WORKDIR ?= recsys-work
 PYTEST_ARGS ?=
+# Apache Airflow's own venv (its pins clash with ours): only for the DAG's check.
+AIRFLOW_VENV ?= .venv-airflow
+AIRFLOW_BIN := $(AIRFLOW_VENV)/bin
 
-.PHONY: run test lint install clean
+.PHONY: run test lint install clean airflow-check
 
 $(BIN)/recsys: pyproject.toml constraints.txt
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV) || python3 -m venv $(VENV)
@@ -20,6 +23,16 @@ run: install
 
 test: install
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
+
+# The Airflow DAG (deploy/airflow), checked by Airflow itself: its tasks run $(BIN)/recsys.
+$(AIRFLOW_BIN)/airflow: deploy/airflow/requirements.txt
+	test -x $(AIRFLOW_BIN)/python || $(PYTHON) -m venv $(AIRFLOW_VENV) || python3 -m venv $(AIRFLOW_VENV)
+	$(AIRFLOW_BIN)/python -m pip install -q --upgrade "pip>=24"
+	$(AIRFLOW_BIN)/python -m pip install -q -r deploy/airflow/requirements.txt
+	touch $(AIRFLOW_BIN)/airflow
+
+airflow-check: install $(AIRFLOW_BIN)/airflow
+	$(AIRFLOW_BIN)/python deploy/airflow/check_dag.py --recsys $(BIN)/recsys
 
 lint: install
 	$(BIN)/ruff check . && $(BIN)/ruff format --check . && $(BIN)/lint-imports && $(BIN)/mypy

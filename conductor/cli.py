@@ -11,7 +11,8 @@ from typing import Any
 from recsys.core.config import load_config
 from recsys.core.errors import ACCESS_ERRNOS, RecsysError, StorageError, storage_errno
 from recsys.core.layout import STAGES, parse_date
-from recsys.core.redact import install_log_redaction, redact_text
+from recsys.core.logs import configure_logging
+from recsys.core.redact import redact_text
 
 log = logging.getLogger("recsys")
 
@@ -54,14 +55,26 @@ def _parser() -> argparse.ArgumentParser:
         choices=STAGES,
         help="redo this stage and the ones after it even if they finished (default: resume)",
     )
+    night.add_argument(
+        "--until",
+        choices=STAGES,
+        help="stop after this stage (one orchestrator task per stage; default: publish)",
+    )
     tun = sub.add_parser(
         "tune",
         parents=[common],
         help="search model/training settings on the validation split (Optuna, MLflow)",
     )
-    tun.add_argument("--trials", type=int, help="number of trials (default: tune.trials)")
     tun.add_argument(
-        "--timeout", type=float, help="seconds after which no new trial starts (default: none)"
+        "--trials", type=int, help="the study's trial budget, over all its runs (tune.trials)"
+    )
+    tun.add_argument(
+        "--timeout",
+        type=float,
+        help="the study's time budget in seconds, over all its runs (tune.timeout_seconds)",
+    )
+    tun.add_argument(
+        "--workers", type=int, help="trials at once, one process each (default: tune.workers)"
     )
     tun.add_argument(
         "--output", help="winning config YAML (default: <workdir>/tune/<date>/best.yaml)"
@@ -169,17 +182,7 @@ def _ab_parsers(ab_sub: Any, common: argparse.ArgumentParser) -> None:
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point: run one subcommand; a user error becomes one line and a non-zero exit."""
     args = _parser().parse_args(argv)
-    logging.basicConfig(
-        level=logging.DEBUG if args.verbose else logging.INFO,
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-        stream=sys.stderr,
-    )
-    for noisy in ("apache_beam", "absl", "tensorflow", "mlflow", "alembic"):
-        logging.getLogger(noisy).setLevel(logging.WARNING)
-    # Every log line (ours, MLflow's, Beam's, and warnings routed through logging) loses URI
-    # credentials and secret values before it is written (docs/OPERATIONS.md, Security).
-    logging.captureWarnings(True)
-    install_log_redaction()
+    configure_logging(logging.DEBUG if args.verbose else logging.INFO)
     try:
         # Checked before the commands' import, which is about 5 s (TensorFlow, Beam, MLflow;
         # `python -X importtime`) that `--help` and a bad config or date never need.

@@ -22,7 +22,7 @@ from conductor.repair import format_report as format_repair
 from recsys import tuning
 from recsys.ab import workflow as ab_workflow
 from recsys.ab.planning import format_plan, plan
-from recsys.core.config import REPO_CONFIGS, RecsysConfig
+from recsys.core.config import MAX_COUNT, MAX_SECONDS, MAX_WORKERS, REPO_CONFIGS, RecsysConfig
 from recsys.core.errors import ConfigError
 from recsys.core.layout import (
     SUCCESS,
@@ -134,6 +134,7 @@ def _run_stage(
             input_path=args.input,
             force_promote=args.force_promote,
             rerun_from=args.rerun_from,
+            until=args.until,
         )
         _print_nightly(night)
     elif args.command == "tune":
@@ -181,17 +182,28 @@ def _run_stage(
     return 0
 
 
+def _check_tune_args(args: argparse.Namespace) -> None:
+    """The budgets and worker count given on the command line, within the config's bounds."""
+    for flag, value, top in (("--trials", args.trials, MAX_COUNT),
+                             ("--workers", args.workers, MAX_WORKERS)):  # fmt: skip
+        if value is not None and not 1 <= value <= top:
+            raise ConfigError(f"{flag} must be at least 1, got {value}" if value < 1 else
+                              f"{flag} must be at most {top:,}, got {value:,}")  # fmt: skip
+    if args.timeout is not None and not 0 < args.timeout <= MAX_SECONDS:
+        raise ConfigError(
+            f"--timeout must be a positive number of seconds up to {MAX_SECONDS:,} (30 days), "
+            f"got {args.timeout}"
+        )
+
+
 def _tune(args: argparse.Namespace, config: RecsysConfig, workdir: Workdir, date: dt.date) -> None:
-    if args.trials is not None and args.trials < 1:
-        raise ConfigError(f"--trials must be at least 1, got {args.trials}")
-    if args.timeout is not None and not args.timeout > 0:
-        raise ConfigError(f"--timeout must be a positive number of seconds, got {args.timeout}")
+    _check_tune_args(args)
     source = Path(args.config) if args.config else REPO_CONFIGS / "default.yaml"
     base = yaml.safe_load(source.read_text()) if source.is_file() else {}
     if args.input:
         config = config.with_input(args.input)
         base["data"] = config.data.model_dump(mode="json", exclude_defaults=True)
-    folder = workdir.root / "tune" / date.isoformat()
+    folder = workdir.tune(date)
     prepared = tuning.preprocess_config(config)
     data_dir = folder / f"data-{prepared.digest()}"
     if not (data_dir / SUCCESS).is_file():
@@ -199,10 +211,12 @@ def _tune(args: argparse.Namespace, config: RecsysConfig, workdir: Workdir, date
     output = Path(args.output) if args.output else folder / "best.yaml"
     result = tuning.tune(
         config, data_dir, output, workdir=workdir.root, trials=args.trials,
-        timeout_seconds=args.timeout, base_yaml=base, run_date=date,
+        timeout_seconds=args.timeout, workers=args.workers, base_yaml=base, run_date=date,
         callbacks=[KerasProgress()],
     )  # fmt: skip
-    print(f"trials:      {result.states} in {result.seconds:.0f} s")
+    print(f"study:       {result.study} in {result.storage}")
+    print(f"trials:      {result.states}: {result.trials_run} ended in this run "
+          f"({result.seconds:.0f} s), {result.trials_before} before it")  # fmt: skip
     print(f"best:        trial {result.best_trial}, validation {result.best_value:.4f}")
     if result.baseline_value is not None:
         verdict = "no sampled trial beat it" if result.best_is_baseline else "beaten"
@@ -274,22 +288,28 @@ def _compare(args: argparse.Namespace, config: RecsysConfig, workdir: Workdir) -
 
 
 def _print_nightly(result: NightlyResult) -> None:
+    last = result.stages[-1].name
     if result.already_done:
-        print(f"nightly {result.date}: already done, nothing to do (run {result.run_dir})")
+        upto = "" if result.finished else f" up to {last}"
+        print(f"nightly {result.date}: already done{upto}, nothing to do (run {result.run_dir})")
     _print_stats(result.data_dir, _read_stats(result.data_dir))
-    print(f"run:         {result.run_dir}")
+    if result.run_dir is not None:
+        print(f"run:         {result.run_dir}")
     print(
         "stages:      "
         + ", ".join(f"{s.name} {s.status} ({s.seconds:.1f} s)" for s in result.stages)
     )
-    exported = json.loads((result.run_dir / RunFile.EXPORT).read_text())
+    if not result.finished:
+        print(f"stopped:     after {last} (--until); the same command without it continues")
+        return
+    exported = json.loads((result.run / RunFile.EXPORT).read_text())
     for name, path in exported.get("models", {}).items():
         print(f"savedmodel:  {name} -> {path}")
     for name, path in exported.get("embeddings", {}).items():
         print(f"embeddings:  {name} -> {path}")
     publish = result.info("publish")
     print(f"mlflow run:  {publish.get('mlflow_run_id')}")
-    metrics = json.loads((result.run_dir / RunFile.METRICS).read_text())
+    metrics = json.loads((result.run / RunFile.METRICS).read_text())
     _print_metrics(metrics)
     print(
         f"registered:  version {publish.get('registered_version')} "

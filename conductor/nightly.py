@@ -38,6 +38,7 @@ from recsys.core.errors import (
     ConfigError,
     RecsysError,
     StageFailedError,
+    StageNotReadyError,
     StorageError,
     access_errno,
     storage_errno,
@@ -85,11 +86,19 @@ class NightlyResult:
 
     date: dt.date
     data_dir: Path
-    run_dir: Path
+    run_dir: Path | None  # None: stopped after preprocess (`--until preprocess`)
     stages: list[StageOutcome] = field(default_factory=list)
     summary_path: Path | None = None
     # What serving could not follow (recsys.serving_state: an aliased version not exported).
     serving_problems: list[str] = field(default_factory=list)
+    finished: bool = True  # False: stopped after an earlier stage (`--until`)
+
+    @property
+    def run(self) -> Path:
+        """The run folder; every stage after preprocess has one."""
+        if self.run_dir is None:
+            raise StageNotReadyError(f"nightly {self.date} stopped after preprocess: no run yet")
+        return self.run_dir
 
     @property
     def already_done(self) -> bool:
@@ -99,7 +108,7 @@ class NightlyResult:
     def info(self, stage: str) -> dict[str, Any]:
         """The marker of a finished stage (empty if it did not finish)."""
         folder = self.data_dir if stage == "preprocess" else self.run_dir
-        return stage_info(folder, stage) or {}
+        return (stage_info(folder, stage) if folder else None) or {}
 
 
 def preprocess_digest(config: RecsysConfig) -> str:
@@ -121,13 +130,20 @@ def run_nightly(
     force_promote: bool = False,
     rerun_from: str | None = None,
     progress: bool = True,
+    until: str | None = None,
 ) -> NightlyResult:
-    """All stages for `date` under the workdir lock; finished stages are skipped."""
+    """All stages for `date` under the workdir lock; finished stages are skipped.
+
+    `until` stops after that stage (an orchestrator's task per stage: the same run folder,
+    markers and resume as a whole nightly); the night's checks, retention and summary run
+    with its last stage, publish.
+    """
     with WorkdirLock(workdir.root, command=f"recsys nightly --date {date}"), shown(progress):
         clean_temporaries(workdir.root)
         # Before the first stage: a store that cannot be used would only fail the publish.
         check_tracking_store(config, workdir.root)
-        return _Nightly(config, workdir, date, input_path, force_promote, progress).run(rerun_from)
+        nightly = _Nightly(config, workdir, date, input_path, force_promote, progress)
+        return nightly.run(rerun_from, until)
 
 
 def backfill(
@@ -177,12 +193,15 @@ class _Nightly:
         # Set when training runs in this invocation; else publish reads train.json.
         self._device: dict[str, str] | None = None
 
-    def run(self, rerun_from: str | None) -> NightlyResult:
+    def run(self, rerun_from: str | None, until: str | None = None) -> NightlyResult:
         redo = set(STAGES[STAGES.index(rerun_from) :]) if rerun_from else set()
+        last = STAGES.index(until or STAGES[-1])
         # Of the config as given, not as resolved: the embedded data's generated path depends on
         # where the workdir is, its content only on data.synthetic.
         self._pre_digest = preprocess_digest(self.config.with_input(self.input_path))
         data_dir = self._stage("preprocess", redo, self._preprocess)
+        if last == 0:
+            return NightlyResult(self.date, data_dir, None, self.outcomes, finished=False)
         run_dir = self._run_dir(data_dir, fresh="train" in redo)
         self.run_dir = run_dir
         for name, action in (
@@ -190,9 +209,12 @@ class _Nightly:
             ("evaluate", self._evaluate),
             ("export", self._export),
             ("publish", self._publish),
-        ):
+        )[:last]:
             self._stage(name, redo, action)
         result = NightlyResult(self.date, data_dir, run_dir, self.outcomes)
+        if last < len(STAGES) - 1:
+            result.finished = False
+            return result
         # Every night, done or not: serving follows the registry's aliases (whoever moved
         # them), and what TF Serving loads must be what was published.
         result.serving_problems = sync_serving_state(self.config, self.workdir).problems
@@ -479,7 +501,7 @@ def write_summary(result: NightlyResult) -> Path:
         + ", ".join(f"{k} {v}" for k, v in splits.items()),
         "",
     ]
-    lines += _metrics_table(result.run_dir, ev.get("metrics") or {})
+    lines += _metrics_table(result.run, ev.get("metrics") or {})
     lines += [
         "",
         "## Gate and export",
@@ -492,7 +514,7 @@ def write_summary(result: NightlyResult) -> Path:
         *(f"- Serving: {problem}" for problem in result.serving_problems),
         "",
     ]
-    path = result.run_dir / SUMMARY
+    path = result.run / SUMMARY
     tmp = path.with_suffix(".tmp")
     tmp.write_text("\n".join(lines))
     tmp.replace(path)

@@ -20,15 +20,16 @@ import datetime as dt
 import json
 import logging
 import os
+import sys
 import time
-from collections.abc import Sequence
+import warnings
+from collections.abc import Callable, Sequence
 from contextlib import suppress
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import optuna
-import requests
 import tensorflow as tf
 import yaml
 from mlflow import MlflowClient
@@ -36,6 +37,7 @@ from mlflow.entities import Metric, Param, RunStatus
 from mlflow.exceptions import MlflowException
 from mlflow.utils.mlflow_tags import MLFLOW_PARENT_RUN_ID, MLFLOW_RUN_NAME
 
+from recsys import tuning_parallel
 from recsys.core.config import (
     RecsysConfig,
     SearchDimension,
@@ -43,22 +45,52 @@ from recsys.core.config import (
     set_dotted,
     set_values,
 )
-from recsys.core.errors import DataError, OutOfMemoryError, StageFailedError, TrackingError
+from recsys.core.errors import (
+    DataError,
+    OutOfMemoryError,
+    RecsysError,
+    StageFailedError,
+    TrackingError,
+)
 from recsys.core.layout import DataFile
+from recsys.core.logs import configure_logging
 from recsys.core.progress import bar
+from recsys.core.redact import redact_text
 from recsys.model.defaults import DataShape, resolve_schedule
 from recsys.model.defaults import resolve as resolve_auto
 from recsys.tracking import runs as tracking
 from recsys.training.trainer import train
+from recsys.tuning_study import (
+    BASELINE_ATTR,
+    KILLED_ATTR,
+    PARENT_ATTR,
+    PID_ATTR,
+    RETRY_ATTR,
+    STATE_TAG,
+    STUDY_TAG,
+    WORKER_ATTR,
+    Resumed,
+    mark_killed_runs,
+    open_storage,
+    requeue_running,
+    resume,
+    sampler_seed,
+    seconds_spent,
+    study_name,
+    study_storage_url,
+    trials_ended,
+)
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("recsys.tuning" if __name__ == "__main__" else __name__)
 
 KIND_TAG = "recsys.kind"
-# What MLflow's client raises when its store cannot be reached or written (as recsys.tracking).
-_TRACKING_FAILURES = (MlflowException, requests.RequestException, OSError)
-STATE_TAG = "recsys.trial_state"
 ROLE_TAG = "recsys.trial_role"
 _BASELINE = "baseline"
+# Parent run tags: how often the search was resumed, its current trial budget, and the
+# finished search's parent run a search given a larger budget continues.
+RESUMES_TAG = "recsys.resumes"
+BUDGET_TAG = "recsys.trials_budget"
+CONTINUES_TAG = "recsys.continues"
 
 
 def tune_experiment(config: RecsysConfig) -> str:
@@ -212,6 +244,30 @@ class TuneResult:
     baseline_value: float | None = None
     baseline_skipped: str | None = None
     best_is_baseline: bool = False  # no sampled trial beat the base config's own settings
+    study: str = ""  # the Optuna study's name
+    storage: str = ""  # where it lives (credentials removed)
+    trials_before: int = 0  # trials that earlier runs of the same search ended
+    trials_run: int = 0  # trials this run ended
+
+
+@dataclass
+class _Search:
+    """One run of a search: its study, tracking and what is left of its budgets."""
+
+    config: RecsysConfig
+    data_dir: Path
+    storage_url: str
+    resumed: Resumed
+    tracking_uri: str
+    client: MlflowClient
+    experiment_id: str
+    parent: str
+    trials: int  # the study's trial budget
+    left: int  # trials this run may still start
+    existing: int  # trials the study had when this run began (sampler seeds)
+    seconds_left: float | None  # of the study's time budget
+    # Keras callbacks for every trial's training in this process (a progress bar).
+    callbacks: list[tf.keras.callbacks.Callback] = field(default_factory=list)
 
 
 def tune(
@@ -222,69 +278,185 @@ def tune(
     workdir: Path,
     trials: int | None = None,
     timeout_seconds: float | None = None,
+    workers: int | None = None,
     base_yaml: dict[str, Any] | None = None,
     run_date: dt.date | None = None,
     callbacks: Sequence[tf.keras.callbacks.Callback] = (),
 ) -> TuneResult:
     """Search `config.tune.space` on data_dir's validation split; write the winner to `output`.
 
-    `base_yaml` is the config file as written (the output keeps its layout and data section);
-    by default the whole validated config is written. The test split is never read.
-    `callbacks` are given to every trial's training (a progress bar).
+    The study lives in its storage (recsys.tuning_study): the same search run again continues
+    it, and the budgets (`trials`, `timeout_seconds`) count all its runs. `workers` > 1 runs
+    trials in that many processes (recsys.tuning_parallel). `base_yaml` is the config file as
+    written (the output keeps its layout and data section); by default the whole validated
+    config is written. The test split is never read. `callbacks` are given to every trial's
+    training in this process (a progress bar; not to worker processes).
     """
+    stats = _stats(config, data_dir)
+    tc = config.tune
+    trials = trials or tc.trials
+    timeout_seconds = timeout_seconds or tc.timeout_seconds
+    workers = workers or tc.workers
+    uri = tracking.resolve_tracking_uri(config, workdir)
+    storage_url = study_storage_url(config, workdir, uri)
+    storage = open_storage(storage_url)
+    name = study_name(config, stats, run_date)
+    resumed = resume(storage, name, optuna.samplers.TPESampler(seed=tc.seed), _pruner(config))
+    study = resumed.study
+    existing, before = len(study.trials), trials_ended(study)
+    skipped = _queue_baseline(config, stats, study)
+    left, seconds_left = _budget_left(study, trials, timeout_seconds)
+    log.info("study %s in %s: %d of %d trials ended before this run; %d to run, %d at once",
+             name, redact_text(storage_url), before, trials, left, min(workers, left))  # fmt: skip
+    experiment = tune_experiment(config)
+    try:
+        client = tracking.connect(config, workdir, uri)
+        with tracking.bounded_http_retries():
+            experiment_id = tracking.ensure_experiment(client, experiment, uri, workdir)
+            parent = _parent_run(client, experiment_id, config, stats, trials, run_date,
+                                 resumed, skipped, continues=left > 0)  # fmt: skip
+    except tracking.TRACKING_FAILURES as exc:
+        raise _tracking_error(uri, exc) from None
+    search = _Search(config, Path(data_dir), storage_url, resumed, uri, client, experiment_id,
+                     parent, trials, left, existing, seconds_left, list(callbacks))  # fmt: skip
+    start = time.perf_counter()
+    status = RunStatus.FAILED
+    try:
+        # The study's trials: those of earlier runs count from the start.
+        with bar("tune", trials, "trials", initial=before) as done:
+
+            def progress(ended: int) -> None:
+                done.update(ended - done.n)
+
+            if left and workers == 1:
+                _optimize_here(search, progress)
+            elif left:
+                _optimize_in_workers(search, storage, workers, progress)
+        result = _finish(config, study, client, parent, experiment, output, base_yaml)
+        result.seconds = time.perf_counter() - start
+        result.baseline_skipped = skipped
+        result.study, result.storage = name, redact_text(storage_url)
+        result.trials_before, result.trials_run = before, trials_ended(study) - before
+        status = RunStatus.FINISHED
+        return result
+    except tracking.TRACKING_FAILURES as exc:
+        raise _tracking_error(uri, exc) from None
+    finally:
+        with suppress(*tracking.TRACKING_FAILURES), tracking.bounded_http_retries():
+            client.set_terminated(parent, RunStatus.to_string(status))
+
+
+def _queue_baseline(config: RecsysConfig, stats: dict[str, Any], study: optuna.Study) -> str | None:
+    """Queue the base config's settings once per study; None, or why there is no such trial."""
+    base, skipped = _baseline(config, stats)
+    # A resumed study has it already (ended, or queued again if it was killed).
+    if base is not None and not any(t.user_attrs.get(BASELINE_ATTR) for t in study.trials):
+        study.enqueue_trial(base, user_attrs={BASELINE_ATTR: True})
+        log.info("trial 0 is the baseline: the base config's settings %s", base)
+    elif skipped is not None:
+        log.warning("no baseline trial: %s", skipped)
+    return skipped
+
+
+def _budget_left(
+    study: optuna.Study, trials: int, timeout_seconds: float | None
+) -> tuple[int, float | None]:
+    """Trials this run may start, and seconds it has: the study's budgets less what it used."""
+    left = max(trials - trials_ended(study), 0)
+    if timeout_seconds is None:
+        return left, None
+    spent = seconds_spent(study)
+    log.info("time budget: %.0f s of %.0f s used by earlier trials", spent, timeout_seconds)
+    seconds = timeout_seconds - spent
+    return (left if seconds > 0 else 0), seconds
+
+
+def _stats(config: RecsysConfig, data_dir: Path) -> dict[str, Any]:
     stats = json.loads((Path(data_dir) / DataFile.STATS).read_text())
     if not int(stats.get("splits", {}).get("validation", 0)):
         raise DataError(
             f"{data_dir} has no validation examples: tuning needs users with at least "
             f"preprocess.min_user_interactions ({config.preprocess.min_user_interactions}) events"
         )
-    tc = config.tune
-    trials = trials or tc.trials
-    timeout_seconds = timeout_seconds or tc.timeout_seconds
-    uri = tracking.resolve_tracking_uri(config, workdir)
-    experiment = tune_experiment(config)
-    try:
-        client = tracking.connect(config, workdir, uri)
-        with tracking.bounded_http_retries():
-            experiment_id = tracking.ensure_experiment(client, experiment, uri, workdir)
-            parent = _start_parent(client, experiment_id, config, stats, trials, run_date)
-    except _TRACKING_FAILURES as exc:
-        raise _tracking_error(uri, exc) from None
-    study = optuna.create_study(
-        direction="maximize",
-        sampler=optuna.samplers.TPESampler(seed=tc.seed),
-        pruner=_pruner(config),
-    )
+    return stats
+
+
+def _optimize_here(search: _Search, progress: Callable[[int], None]) -> None:
+    """The trials in this process, one after the other."""
+    study, tc = search.resumed.study, search.config.tune
+    study.sampler = optuna.samplers.TPESampler(seed=sampler_seed(tc.seed, search.existing, 0))
     # Optuna's timeout only keeps new trials from starting; the deadline also ends the running
     # trial after its current epoch, so a search overruns its budget by one epoch at most.
-    deadline = None if timeout_seconds is None else time.monotonic() + timeout_seconds
-    objective = _Objective(
-        config, Path(data_dir), client, experiment_id, parent, deadline, list(callbacks)
-    )
-    start = time.perf_counter()
-    status = RunStatus.FAILED
-    try:
-        skipped = _enqueue_baseline(config, stats, study, client, parent)
-        # An out-of-memory trial (too big a batch) fails alone; the search goes on.
-        with bar("tune", trials, "trials") as done:
+    seconds = search.seconds_left
+    deadline = None if seconds is None else time.monotonic() + seconds
 
-            def finished(_study: optuna.Study, _trial: optuna.trial.FrozenTrial) -> None:
-                done.update()
+    def ended(finished: optuna.Study, _: optuna.trial.FrozenTrial) -> None:
+        progress(trials_ended(finished))
 
-            study.optimize(
-                objective, n_trials=trials, timeout=timeout_seconds, catch=(OutOfMemoryError,),
-                callbacks=[finished],
-            )  # fmt: skip
-        result = _finish(config, study, client, parent, experiment, output, base_yaml)
-        result.seconds = time.perf_counter() - start
-        result.baseline_skipped = skipped
-        status = RunStatus.FINISHED
-        return result
-    except _TRACKING_FAILURES as exc:
-        raise _tracking_error(uri, exc) from None
-    finally:
-        with suppress(*_TRACKING_FAILURES), tracking.bounded_http_retries():
-            client.set_terminated(parent, RunStatus.to_string(status))
+    # An out-of-memory trial (too big a batch) fails alone; the search goes on.
+    study.optimize(
+        _Objective(search, deadline), n_trials=search.left, timeout=seconds,
+        catch=(OutOfMemoryError,), callbacks=[ended],
+    )  # fmt: skip
+
+
+def _optimize_in_workers(
+    search: _Search,
+    storage: optuna.storages.BaseStorage,
+    workers: int,
+    progress: Callable[[int], None],
+) -> None:
+    """The trials in `workers` processes at once; each runs its share of what is left."""
+    study = search.resumed.study
+    deadline = None if search.seconds_left is None else time.time() + search.seconds_left
+    shares = [search.left // workers + (i < search.left % workers) for i in range(workers)]
+    seed = search.config.tune.seed
+    specs = [
+        {
+            "worker": i, "trials": share, "seed": sampler_seed(seed, search.existing, i),
+            "config": search.config.model_dump(mode="json"), "data_dir": str(search.data_dir),
+            "study": study.study_name, "uid": search.resumed.uid, "deadline": deadline,
+            "tracking_uri": search.tracking_uri, "experiment_id": search.experiment_id,
+            "parent": search.parent,
+        }
+        for i, share in enumerate(shares) if share
+    ]  # fmt: skip
+    exits = tuning_parallel.run_workers(search.storage_url, study.study_name, specs, progress)
+    # A worker that died left its trial RUNNING: failed and queued for the next run.
+    requeue_running(study, storage)
+    with tracking.bounded_http_retries():
+        mark_killed_runs(search.client, search.experiment_id, search.resumed.uid, search.parent)
+    error = tuning_parallel.worker_error(exits)
+    if error is not None:
+        raise error
+
+
+def run_worker(spec: dict[str, Any]) -> None:
+    """One process of a parallel search: its share of the trials, on the proxied study."""
+    config = parse_config(spec["config"], source="the tuning worker's settings")
+    threads = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else 0
+    # Its share of the cores (the parent pinned it there); 0 leaves TensorFlow's default.
+    tf.config.threading.set_intra_op_parallelism_threads(threads)
+    tf.config.threading.set_inter_op_parallelism_threads(threads)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
+        storage = optuna.storages.GrpcStorageProxy(host=tuning_parallel.HOST, port=spec["port"])
+    study = optuna.load_study(
+        study_name=spec["study"], storage=storage, pruner=_pruner(config),
+        sampler=optuna.samplers.TPESampler(seed=spec["seed"]),
+    )  # fmt: skip
+    wall = spec["deadline"]
+    seconds = None if wall is None else max(wall - time.time(), 0.0)
+    resumed = Resumed(study, spec["uid"], new=False, killed=[])
+    search = _Search(config, Path(spec["data_dir"]), "", resumed, spec["tracking_uri"],
+                     MlflowClient(spec["tracking_uri"]), spec["experiment_id"], spec["parent"],
+                     spec["trials"], spec["trials"], 0, seconds)  # fmt: skip
+    deadline = None if seconds is None else time.monotonic() + seconds
+    log.info("worker %d: %d trial(s) on %d core(s)", spec["worker"], spec["trials"], threads)
+    study.optimize(
+        _Objective(search, deadline, worker=spec["worker"]), n_trials=spec["trials"],
+        timeout=seconds, catch=(OutOfMemoryError,),
+    )  # fmt: skip
 
 
 def _tracking_error(uri: str, exc: Exception) -> TrackingError:
@@ -296,27 +468,14 @@ def _tracking_error(uri: str, exc: Exception) -> TrackingError:
     )
 
 
-def _enqueue_baseline(
-    config: RecsysConfig,
-    stats: dict[str, Any],
-    study: optuna.Study,
-    client: MlflowClient,
-    parent: str,
-) -> str | None:
-    """Make trial 0 the base config's settings; None, or why there is no such trial."""
-    reason: str | None
+def _baseline(
+    config: RecsysConfig, stats: dict[str, Any]
+) -> tuple[dict[str, Any] | None, str | None]:
+    """The base config's settings as trial 0, or None and why there is no such trial."""
     if not config.tune.baseline:
-        reason = "tune.baseline is false"
-    else:
-        params, reason = baseline_params(config, stats)
-    if reason is None:
-        study.enqueue_trial(params, user_attrs={_BASELINE: True})
-        log.info("trial 0 is the baseline: the base config's settings %s", params)
-    else:
-        log.warning("no baseline trial: %s", reason)
-    with tracking.bounded_http_retries():
-        client.log_param(parent, "baseline", "trial 0" if reason is None else reason[:500])
-    return reason
+        return None, "tune.baseline is false"
+    params, reason = baseline_params(config, stats)
+    return (params, None) if reason is None else (None, reason)
 
 
 def _pruner(config: RecsysConfig) -> optuna.pruners.BasePruner:
@@ -327,69 +486,118 @@ def _pruner(config: RecsysConfig) -> optuna.pruners.BasePruner:
     )
 
 
-def _start_parent(
+def _parent_run(
     client: MlflowClient,
     experiment_id: str,
     config: RecsysConfig,
     stats: dict[str, Any],
     trials: int,
     run_date: dt.date | None,
+    resumed: Resumed,
+    skipped: str | None,
+    continues: bool,
 ) -> str:
+    """The search's parent run: the study's own, resumed, unless it finished and trials remain.
+
+    Runs the study's dead processes left RUNNING are marked KILLED first. A finished search
+    given a larger budget gets a new parent run (tag `recsys.continues`): the first one's
+    `best.*` params stay what that run chose.
+    """
+    previous = resumed.study.user_attrs.get(PARENT_ATTR)
+    mark_killed_runs(client, experiment_id, resumed.uid, keep=previous)
+    old = _active_run(client, previous)
+    if old is not None and (old.info.status != "FINISHED" or not continues):
+        client.update_run(old.info.run_id, status=RunStatus.to_string(RunStatus.RUNNING))
+        resumes = int(old.data.tags.get(RESUMES_TAG, "0")) + 1
+        client.set_tag(old.info.run_id, RESUMES_TAG, str(resumes))
+        client.set_tag(old.info.run_id, BUDGET_TAG, str(trials))
+        log.info("resuming the search's MLflow parent run %s (resume %d)", previous, resumes)
+        return old.info.run_id
+    note = "trial 0" if skipped is None else skipped[:500]
+    if old is not None:
+        note = old.data.params.get("baseline", note)
+    tags = _parent_tags(config, stats, trials, run_date, resumed.uid)
+    if old is not None:
+        tags[CONTINUES_TAG] = old.info.run_id
+    run_id = client.create_run(experiment_id, tags=tags).info.run_id
+    client.log_batch(run_id, params=_parent_params(config, trials, note))
+    resumed.study.set_user_attr(PARENT_ATTR, run_id)
+    return run_id
+
+
+def _active_run(client: MlflowClient, run_id: str | None) -> Any:
+    """The run, or None when there is none (never created, deleted, another tracking store)."""
+    if not run_id:
+        return None
+    try:
+        run = client.get_run(run_id)
+    except MlflowException as exc:
+        if exc.error_code == "RESOURCE_DOES_NOT_EXIST":
+            return None
+        raise
+    return run if run.info.lifecycle_stage == "active" else None
+
+
+def _parent_tags(
+    config: RecsysConfig, stats: dict[str, Any], trials: int, run_date: dt.date | None, uid: str
+) -> dict[str, str]:
     stamp = f"{dt.datetime.now(dt.UTC):%Y%m%dT%H%M%SZ}"
-    tags = {
+    return {
         MLFLOW_RUN_NAME: f"tune-{run_date or stamp}",
         KIND_TAG: "tune",
+        STUDY_TAG: uid,
+        BUDGET_TAG: str(trials),
         "model_name": config.model_name,
         "base_config_digest": config.digest(),
         "data_fingerprint": str(stats.get("fingerprint", "")),
         "git_commit": tracking.git_commit(),
     }
-    run_id = client.create_run(experiment_id, tags=tags).info.run_id
+
+
+def _parent_params(config: RecsysConfig, trials: int, baseline: str) -> list[Param]:
     tc = config.tune
     params = [Param(f"space.{k}", json.dumps(v.model_dump(exclude_none=True)))
               for k, v in tc.space.items()]  # fmt: skip
-    params += [
+    return [
+        *params,
         Param("metric", tc.metric),
         Param("trials", str(trials)),
         Param("pruner", tc.pruner),
         Param("seed", str(tc.seed)),
+        Param("baseline", baseline),
     ]
-    client.log_batch(run_id, params=params)
-    return run_id
 
 
 class _Objective:
     """One Optuna trial: train with the sampled settings, tracked as an MLflow child run."""
 
-    def __init__(
-        self,
-        config: RecsysConfig,
-        data_dir: Path,
-        client: MlflowClient,
-        experiment_id: str,
-        parent: str,
-        deadline: float | None = None,
-        callbacks: list[tf.keras.callbacks.Callback] | None = None,
-    ) -> None:
-        self.config, self.data_dir = config, data_dir
-        self.client, self.experiment_id, self.parent = client, experiment_id, parent
-        self.deadline = deadline
-        self.callbacks = callbacks or []
+    def __init__(self, search: _Search, deadline: float | None = None, worker: int = 0) -> None:
+        self.config, self.data_dir = search.config, search.data_dir
+        self.client, self.experiment_id = search.client, search.experiment_id
+        self.parent, self.uid = search.parent, search.resumed.uid
+        self.deadline, self.worker = deadline, worker
+        self.callbacks = search.callbacks
 
     def __call__(self, trial: optuna.Trial) -> float:
+        # First: a process that dies from here on leaves a trial its resume can attribute.
+        trial.set_user_attr(PID_ATTR, os.getpid())
+        trial.set_user_attr(WORKER_ATTR, self.worker)
         params = suggest(trial, self.config.tune.space)
         settings = trial_config(self.config, params)
+        tags = {
+            MLFLOW_PARENT_RUN_ID: self.parent,
+            MLFLOW_RUN_NAME: f"trial-{trial.number}",
+            KIND_TAG: "tune-trial",
+            ROLE_TAG: _BASELINE if trial.user_attrs.get(BASELINE_ATTR) else "sampled",
+            STUDY_TAG: self.uid,
+            "optuna.trial": str(trial.number),
+            "recsys.worker": str(self.worker),
+            "recsys.pid": str(os.getpid()),
+        }
+        if trial.user_attrs.get(RETRY_ATTR) is not None:
+            tags["recsys.retry_of"] = str(trial.user_attrs[RETRY_ATTR])
         with tracking.bounded_http_retries():
-            run_id = self.client.create_run(
-                self.experiment_id,
-                tags={
-                    MLFLOW_PARENT_RUN_ID: self.parent,
-                    MLFLOW_RUN_NAME: f"trial-{trial.number}",
-                    KIND_TAG: "tune-trial",
-                    ROLE_TAG: _BASELINE if trial.user_attrs.get(_BASELINE) else "sampled",
-                    "optuna.trial": str(trial.number),
-                },
-            ).info.run_id
+            run_id = self.client.create_run(self.experiment_id, tags=tags).info.run_id
             self.client.log_batch(
                 run_id, params=[Param(k, json.dumps(v)) for k, v in params.items()]
             )
@@ -433,26 +641,29 @@ def _finish(
     output: Path,
     base_yaml: dict[str, Any] | None,
 ) -> TuneResult:
+    trials = study.get_trials(deepcopy=False)
+    # Trials killed with their process are rerun: counted apart, not as failures.
     states = {
-        s.name.lower(): sum(t.state == s for t in study.trials)
+        s.name.lower(): sum(t.state == s and not t.user_attrs.get(KILLED_ATTR) for t in trials)
         for s in (optuna.trial.TrialState.COMPLETE, optuna.trial.TrialState.PRUNED,
                   optuna.trial.TrialState.FAIL)
     }  # fmt: skip
-    complete = [t for t in study.trials if t.state == optuna.trial.TrialState.COMPLETE]
+    states["killed"] = sum(bool(t.user_attrs.get(KILLED_ATTR)) for t in trials)
+    complete = [t for t in trials if t.state == optuna.trial.TrialState.COMPLETE]
     if not complete:
         raise StageFailedError(
             f"no tuning trial completed ({states}); see the MLflow parent run {parent} "
             "in experiment " + experiment
         )
     best = study.best_trial
-    baseline = next((t.value for t in complete if t.user_attrs.get(_BASELINE)), None)
-    best_is_base = bool(best.user_attrs.get(_BASELINE))
+    baseline = next((t.value for t in complete if t.user_attrs.get(BASELINE_ATTR)), None)
+    best_is_base = bool(best.user_attrs.get(BASELINE_ATTR))
     # The baseline won: its settings as the written file has them (`auto` stays auto).
     best_params = base_values(config) if best_is_base else best.params
     metric = config.tune.metric
     header = (
         f"Written by `recsys tune` at {dt.datetime.now(dt.UTC):%Y-%m-%d %H:%M} UTC: best of "
-        f"{len(study.trials)} trials on the validation split (trial {best.number}, "
+        f"{trials_ended(study)} trials on the validation split (trial {best.number}, "
         f"{metric} = {best.value:.4f}; {_against_baseline(best, baseline)}); MLflow "
         f"experiment {experiment}, parent run {parent}. Use it as it is: recsys nightly "
         "--config <this file>"
@@ -481,7 +692,7 @@ def _finish(
 def _against_baseline(best: optuna.trial.FrozenTrial, baseline: float | None) -> str:
     if baseline is None:
         return "no baseline trial completed"
-    if best.user_attrs.get(_BASELINE):
+    if best.user_attrs.get(BASELINE_ATTR):
         return "the base config's own settings: no sampled trial beat them"
     return f"the base config's own settings scored {baseline:.4f}"
 
@@ -528,3 +739,26 @@ def _wrap(text: str, width: int = 96) -> list[str]:
         else:
             line = f"{line} {word}".strip()
     return [*lines, line] if line else lines
+
+
+def _worker_main() -> int:
+    """`python -m recsys.tuning worker`: settings as JSON on stdin (recsys.tuning_parallel)."""
+    spec = json.load(sys.stdin)
+    configure_logging(tag=f"worker {spec['worker']}")
+    try:
+        run_worker(spec)
+    except RecsysError as exc:
+        error: RecsysError = exc
+    except tracking.TRACKING_FAILURES as exc:
+        error = _tracking_error(spec["tracking_uri"], exc)
+    else:
+        return 0
+    print(f"recsys: error: tuning worker {spec['worker']}: {redact_text(str(error))}",
+          file=sys.stderr)  # fmt: skip
+    return error.exit_code
+
+
+if __name__ == "__main__":
+    if sys.argv[1:] != ["worker"]:
+        sys.exit("usage: python -m recsys.tuning worker  (settings as JSON on stdin)")
+    sys.exit(_worker_main())

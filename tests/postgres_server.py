@@ -92,6 +92,18 @@ def postgres_server(bin_dir: Path) -> Iterator[PostgresServer]:
         shutil.rmtree(root, ignore_errors=True)
 
 
+@contextmanager
+def postgres_or_skip() -> Iterator[PostgresServer]:
+    """A fresh cluster, or the test skipped naming why PostgreSQL cannot run here."""
+    bin_dir, reason = find_bin()
+    if bin_dir is None:
+        import pytest
+
+        pytest.skip(reason)
+    with postgres_server(bin_dir) as server:
+        yield server
+
+
 def _uri(port: int, database: str) -> str:
     # SQLAlchemy's plain postgresql:// now means psycopg 3; MLflow gets the pinned psycopg2.
     return f"postgresql+psycopg2://{USER}:{PASSWORD}@127.0.0.1:{port}/{database}"

@@ -133,3 +133,26 @@ def test_basic_auth_example_is_read_by_mlflow(monkeypatch: pytest.MonkeyPatch) -
     assert config.default_permission == "READ"
     assert config.database_uri.startswith("postgresql+psycopg2://")
     assert config.authorization_function.endswith("authenticate_request_basic_auth")
+
+
+def test_gpu_cronjobs_are_the_cpu_ones_on_a_gpu_node() -> None:
+    """Same PVC, CronJobs and pods as cronjob.yaml, plus one GPU, the GPU image and placement."""
+    cpu = list(yaml.safe_load_all((DEPLOY / "kubernetes" / "cronjob.yaml").read_text()))
+    gpu = list(yaml.safe_load_all((DEPLOY / "kubernetes" / "gpu" / "cronjob.yaml").read_text()))
+    assert [(d["kind"], d["metadata"]["name"]) for d in gpu] == [
+        (d["kind"], d["metadata"]["name"]) for d in cpu
+    ]
+    for cpu_doc, gpu_doc in zip(cpu, gpu, strict=True):
+        if gpu_doc["kind"] != "CronJob":
+            assert gpu_doc == cpu_doc
+            continue
+        pod = gpu_doc["spec"]["jobTemplate"]["spec"]["template"]["spec"]
+        assert pod.pop("nodeSelector") == {"nvidia.com/gpu.present": "true"}
+        assert pod.pop("tolerations") == [
+            {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}
+        ]
+        container = pod["containers"][0]
+        assert container["resources"]["limits"].pop("nvidia.com/gpu") == 1
+        assert container["image"] == "REGISTRY/recsys-gpu:TAG"
+        container["image"] = "REGISTRY/recsys:TAG"
+        assert gpu_doc == cpu_doc, gpu_doc["metadata"]["name"]

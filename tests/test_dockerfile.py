@@ -1,20 +1,24 @@
-"""The Dockerfile is hadolint-clean, installs like the Makefile, and builds two images.
+"""The Dockerfile is hadolint-clean, installs like the Makefile, and builds three images.
 
 Docker cannot run here, so the Dockerfile is parsed: its stages, their parents, environment,
-users and entry points. Targets: `recsys` (default, the last stage) and `beam-sdk`.
+users and entry points. Targets: `recsys` (default, the last stage), `beam-sdk` and
+`recsys-gpu` (TensorFlow's CUDA wheels through the `gpu` extra, pinned in constraints.txt).
 """
 
 from __future__ import annotations
 
+import importlib.metadata
 import json
 import re
 import shutil
 import subprocess
 import sys
+import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
+from packaging.requirements import Requirement
 
 REPO = Path(__file__).resolve().parent.parent
 DOCKERFILE = REPO / "Dockerfile"
@@ -68,8 +72,31 @@ def test_image_installs_like_the_makefile() -> None:
         f"expected one constrained install in the Makefile: {make_installs}"
     )
     docker_installs = pip_installs(DOCKERFILE.read_text())
-    assert docker_installs == [as_regular_install(make_installs[0])]
+    regular = as_regular_install(make_installs[0])
+    # The GPU builder: the same command with the `gpu` extra, nothing else.
+    assert docker_installs == [regular, [*regular[:-1], ".[gpu]"]]
     assert docker_installs[0][:2] == ["-c", "constraints.txt"]
+
+
+def test_gpu_extra_is_tensorflows_cuda_wheels_pinned_like_the_cpu_install() -> None:
+    project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
+    (gpu,) = project["optional-dependencies"]["gpu"]
+    requirement = Requirement(gpu)
+    assert requirement.name == "tensorflow" and requirement.extras == {"and-cuda"}
+    cpu = next(Requirement(d) for d in project["dependencies"] if d.startswith("tensorflow>"))
+    assert requirement.specifier == cpu.specifier  # the same TensorFlow as the CPU image
+    pins = dict(
+        line.split("==") for line in CONSTRAINTS.read_text().splitlines()
+        if "==" in line and not line.startswith("#")
+    )  # fmt: skip
+    # Every wheel tensorflow[and-cuda] asks for has an exact pin: a rebuild gets the same CUDA.
+    extra = [
+        Requirement(r.split(";")[0]).name
+        for r in importlib.metadata.requires("tensorflow") or []
+        if 'extra == "and-cuda"' in r
+    ]
+    assert extra and all(name in pins for name in extra), extra
+    assert pins["tensorflow"] in requirement.specifier
 
 
 @dataclass
@@ -197,12 +224,37 @@ def test_beam_version_is_the_pinned_apache_beam(
 
 def test_images_hold_no_build_tools(dockerfile: tuple[dict[str, str], list[Stage]]) -> None:
     _, stages = dockerfile
-    for target in ("recsys", "beam-sdk"):
+    for target, builder in (("recsys", "builder"), ("beam-sdk", "builder"),
+                            ("recsys-gpu", "builder-gpu")):  # fmt: skip
         built = chain(stages, target)
-        assert "builder" not in [s.name for s in built]  # copied from, never built upon
+        names = [s.name for s in built]
+        assert not {"source", "builder", "builder-gpu"} & set(
+            names
+        )  # copied from, never built upon
         runs = " ".join(args for stage in built for args in stage.all("RUN"))
         assert not re.search(r"pip install|apt-get|apk add|gcc|build-essential|make ", runs), runs
-        assert any("--from=builder /opt/venv /opt/venv" in c for s in built for c in s.all("COPY"))
+        copies = [c for s in built for c in s.all("COPY") if "--from=" in c]
+        venvs = [c for c in copies if c.endswith("/opt/venv /opt/venv")]
+        assert venvs == [f"--from={builder} /opt/venv /opt/venv"], venvs
+
+
+def test_gpu_target_is_the_recsys_image_on_the_cuda_venv(
+    dockerfile: tuple[dict[str, str], list[Stage]],
+) -> None:
+    global_args, stages = dockerfile
+    names = [stage.name for stage in stages]
+    assert "recsys-gpu" in names and names[-1] == "recsys"  # the default stays the CPU image
+    for keyword in ("USER", "ENTRYPOINT", "CMD"):
+        assert last(stages, "recsys-gpu", keyword) == last(stages, "recsys", keyword), keyword
+    gpu, cpu = environment(stages, "recsys-gpu"), environment(stages, "recsys")
+    assert gpu["PATH"].split(":")[0] == "/opt/venv/bin" and gpu["TF_USE_LEGACY_KERAS"] == "1"
+    assert {k: v for k, v in gpu.items() if k in cpu and k != "PATH"} == {
+        k: v for k, v in cpu.items() if k != "PATH"
+    }
+    assert gpu["NVIDIA_DRIVER_CAPABILITIES"] == "compute,utility"
+    # Built on the same pinned base as its builder, so the venv's interpreter holds.
+    assert chain(stages, "recsys-gpu")[0].base == chain(stages, "builder-gpu")[0].base
+    assert chain(stages, "builder-gpu")[0].base == global_args["PYTHON_IMAGE"]
 
 
 def test_parser_reads_stages_users_and_environment() -> None:

@@ -27,6 +27,8 @@ MAX_BATCH = 1 << 20
 MAX_K = 10_000  # top-K cut-offs
 MAX_COUNT = 100_000  # epochs, shards, patience, list lengths and similar counts
 MAX_SEED = 2**32 - 1
+MAX_SECONDS = 30 * 24 * 3600  # time budgets: a month (a search or a wait longer is a typo)
+MAX_WORKERS = 256  # parallel processes of one command
 MAX_SYNTHETIC_ROWS = 100_000_000  # the embedded demo log is written as one CSV
 MAX_CONFIG_DEPTH = 20  # nesting levels of the YAML; the schema itself needs 4
 
@@ -655,15 +657,25 @@ class TuneConfig(_Strict):
     # Validation metric maximised; also the early-stopping metric of the trials and of the
     # written config, so the nightly keeps the epoch the search judged by.
     metric: str = Field("ndcg_at_10", pattern=r"^(recall|ndcg|mrr)_at_\d+$")
-    trials: int = Field(20, ge=1)
-    # The search's budget: no trial starts after it, and the running one stops after its epoch.
-    timeout_seconds: float | None = Field(None, gt=0)
+    # The study's trial budget: trials that ended (complete, pruned, failed) over every run of
+    # the same search, so a resumed search runs only what is left.
+    trials: int = Field(20, ge=1, le=MAX_COUNT)
+    # The study's time budget, counted over every run of the same search (the time its ended
+    # trials ran): no trial starts after it, and the running one stops after its epoch.
+    timeout_seconds: float | None = Field(None, gt=0, le=MAX_SECONDS, allow_inf_nan=False)
+    # Trials run in this many processes at once on the one study (`recsys tune --workers`).
+    workers: int = Field(1, ge=1, le=MAX_WORKERS)
+    # Where the Optuna study lives (an SQLAlchemy URL: sqlite:///... or postgresql://...);
+    # unset: OPTUNA_STORAGE, else the tracking store's PostgreSQL database when tracking.uri
+    # is one, else <workdir>/tune/optuna.db. Credentials belong in OPTUNA_STORAGE, not here.
+    storage: str | None = None
     # median: stop a trial whose validation metric after an epoch is below the median of the
     # earlier trials at that epoch (Optuna MedianPruner); none: every trial runs to the end.
     pruner: Literal["median", "none"] = "median"
-    startup_trials: int = Field(3, ge=0)  # trials never pruned (the median needs some)
-    warmup_epochs: int = Field(1, ge=0)  # epochs of a trial before it may be pruned
-    seed: int = 0
+    # Trials never pruned (the median needs some), and epochs of a trial before it may be.
+    startup_trials: int = Field(3, ge=0, le=MAX_COUNT)
+    warmup_epochs: int = Field(1, ge=0, le=MAX_COUNT)
+    seed: int = Field(0, ge=0, le=MAX_SEED)
     # Trial 0 trains the base config's own settings (Optuna's enqueue_trial), so the winner is
     # measured against them on the same validation item; skipped (logged) when one of them
     # is not in `space`.
@@ -675,6 +687,27 @@ class TuneConfig(_Strict):
             k: SearchDimension.model_validate(v) for k, v in DEFAULT_TUNE_SPACE.items()
         }
     )
+
+    @field_validator("storage")
+    @classmethod
+    def _known_storage(cls, value: str | None) -> str | None:
+        return None if value is None else check_study_storage(value)
+
+
+# The Optuna storages `recsys tune` is tested with (SQLAlchemy URL schemes, driver optional).
+STUDY_STORAGE_SCHEMES = ("sqlite", "postgresql")
+
+
+def check_study_storage(url: str) -> str:
+    """`url` if it names a supported Optuna RDB storage; else ValueError saying which are."""
+    scheme = url.split("://", 1)[0].split("+", 1)[0] if "://" in url else ""
+    if scheme not in STUDY_STORAGE_SCHEMES or len(url) > 2000:
+        shown = url.split("://", 1)[0] + "://..." if "://" in url else "a URL without a scheme"
+        raise ValueError(
+            f"tune.storage {shown} is not supported: give sqlite:///<path> or "
+            "postgresql://<user>@<host>/<database> (password in OPTUNA_STORAGE, not the config)"
+        )
+    return url
 
 
 class DataShapeRule(_Strict):

@@ -406,6 +406,14 @@ class Workdir:
     def mlflow_store(self) -> Path:
         return self.path("mlflow")
 
+    def tune(self, date: dt.date) -> Path:
+        """`recsys tune`'s folder for a date: its data and the written winner."""
+        return self.root / "tune" / date.isoformat()
+
+    def study_store(self) -> Path:
+        """The default Optuna storage (SQLite) of every search run in this working directory."""
+        return self.root / "tune" / "optuna.db"
+
     def champion_file(self) -> Path:
         return self.path(WorkdirFile.CHAMPION)
 
