@@ -20,7 +20,7 @@ from conductor.promotion import PublishResult
 from recsys import tuning
 from recsys.ab import workflow as ab_workflow
 from recsys.ab.planning import format_plan, plan
-from recsys.core.config import REPO_CONFIGS, RecsysConfig
+from recsys.core.config import RecsysConfig, set_dotted
 from recsys.core.errors import ConfigError
 from recsys.core.layout import (
     SUCCESS,
@@ -147,8 +147,10 @@ def _tune(args: argparse.Namespace, config: RecsysConfig, workdir: Workdir, date
         raise ConfigError(f"--trials must be at least 1, got {args.trials}")
     if args.timeout is not None and not args.timeout > 0:
         raise ConfigError(f"--timeout must be a positive number of seconds, got {args.timeout}")
-    source = Path(args.config) if args.config else REPO_CONFIGS / "default.yaml"
-    base = yaml.safe_load(source.read_text()) if source.is_file() else {}
+    # The file as written (the tuned one keeps its layout); no file: the built-in defaults.
+    base = yaml.safe_load(Path(args.config).read_text()) if args.config else {}
+    for key, value in getattr(args, "overrides", {}).items():
+        set_dotted(base, key, value)
     if args.input:
         config = config.with_input(args.input)
         base["data"] = config.data.model_dump(mode="json", exclude_defaults=True)
