@@ -79,9 +79,6 @@ def nightly_config(log: Path, items: Path, rows: int, args: argparse.Namespace) 
             "items": {"path": str(items)},
         },
         "preprocess": {"num_shards": max(1, rows // 5_000_000)},
-        # The model and the single fit the published figures measured, pinned: the code's
-        # defaults are the benchmarked model (transformer, full softmax, refit).
-        "model": {"query_encoder": "mean", "negatives": "in_batch", "user_embedding": True},
         "training": {
             "epochs": 1,
             "max_steps_per_epoch": args.steps,

@@ -31,8 +31,9 @@ Device rules: `training.precision` is mixed_float16 only on GPUs of compute capa
 (bf16 brought no speed on CPU and fp16 is emulated there); `training.jit_compile` compiles
 the step with XLA on one GPU and per-row input only (on CPU the blocked in-batch softmax of
 recsys/losses.py, which XLA cannot compile, is 1.6-2x faster per step; under several replicas
-the all_gather stays outside XLA; sequence windows pick their positions at run time); `training.strategy` is multi_worker when TF_CONFIG names several workers,
-mirrored on several GPUs, else one_device.
+the all_gather stays outside XLA; sequence windows pick their positions at run time);
+`training.strategy` is multi_worker when TF_CONFIG names several workers, mirrored on several
+GPUs, else one_device.
 """
 
 from __future__ import annotations
