@@ -14,10 +14,10 @@ with the user's non-test items removed:
   for the epoch count validation chose; the test query is the sequence including the
   validation item;
 - ours: the project's pipeline (Beam preprocess -> train -> export, `conductor.stages`) on the
-  log WITHOUT the test rows, with `configs/default.yaml` whose data section alone is
-  replaced (plus `training.seed` per seed); scored as an outside scorer would, from the
-  exported users.parquet (each user's vector from their latest history in the log given to
-  the pipeline) and items.parquet. Optionally the same with a tuned config (`--tuned`).
+  log WITHOUT the test rows, with `configs/default.yaml` (the default settings) whose data
+  section alone is replaced (plus `training.seed` per seed); scored as an outside scorer
+  would, from the exported users.parquet (each user's vector from their latest history in the
+  log given to the pipeline) and items.parquet. Optionally the same with a tuned config (`--tuned`).
 
 Each (model, seed) result is written to the results JSON as soon as it exists, so a run can
 be resumed (`--resume`) or split across invocations; `--table` prints the markdown tables.

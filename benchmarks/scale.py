@@ -85,9 +85,20 @@ def nightly_config(log: Path, items: Path, rows: int, args: argparse.Namespace) 
             "optimizer": "lazy_adam",
             "batch_size": args.batch_size,
             "input": "sequences",
+            # The fits the published figures measured, pinned: the code's defaults are the
+            # benchmarked model's (early stopping, a refit on every split).
+            "learning_rate_schedule": "constant",
+            "early_stopping_patience": 0,
+            "refit": "off",
             **args.training,
         },
-        "model": {"query_encoder": "transformer", **args.model},
+        # The measured model: the transformer with in-batch negatives and a per-user table.
+        "model": {
+            "query_encoder": "transformer",
+            "negatives": "in_batch",
+            "user_embedding": True,
+            **args.model,
+        },
         "evaluation": {"ks": [10, 50, 100], "sample_users": args.eval_users},
         "export": {"top_k": 100},
     }

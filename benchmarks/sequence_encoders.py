@@ -2,12 +2,13 @@
 
 For one data set already preprocessed by the Beam job (`--data-dir`, e.g. from
 `recsys preprocess --config configs/movielens-100k.yaml`), trains each named variant of
-configs/default.yaml's model/training sections (only the data differs, as when the project is
-scored) and reports, on the VALIDATION split (each user's item before the test item, training
-items removed, exact ranking over the catalog), Recall@10/50 and NDCG@10 of the weights kept,
-with the cost: wall seconds per epoch (training steps only) and examples/s. With `--test`, the
-named variants and EASE / ALS (tuned on validation, benchmarks/quality_ml100k.py) are also
-scored on the test split, the protocol of docs/PROTOCOL.md.
+the default model and training settings (configs/default.yaml: only the data differs, as when
+the project is scored) and reports, on the VALIDATION split (each user's item before the test
+item, training items removed, exact ranking over the catalog), Recall@10/50 and NDCG@10 of
+the weights kept, with the cost: wall seconds per epoch (training steps only) and examples/s.
+With `--test`, the named variants and EASE / ALS (tuned on validation,
+benchmarks/quality_ml100k.py) are also scored on the test split, the protocol of
+docs/PROTOCOL.md.
 
 Usage (one variant per `name=key:value,...`, keys `model.x` / `training.x`):
     .venv/bin/python benchmarks/sequence_encoders.py --data-dir WORK/data/DATE \

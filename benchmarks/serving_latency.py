@@ -59,7 +59,16 @@ def generate_model(num_items: int, seed: int) -> Any:
     from recsys.model import TrainedModel
 
     rng = np.random.default_rng(seed)
-    config = ModelConfig(embedding_dim=DIM, item_features=False, history_length=HISTORY)
+    # The measured query tower: a per-user table plus the mean-pooled history (pinned: the
+    # code's defaults are the benchmarked model, a transformer without a user table).
+    config = ModelConfig(
+        embedding_dim=DIM,
+        item_features=False,
+        history_length=HISTORY,
+        query_encoder="mean",
+        user_embedding=True,
+        negatives="in_batch",
+    )
     model = TrainedModel.build(
         [f"u{i}" for i in range(USERS)], [f"i{i}" for i in range(num_items)], config
     )

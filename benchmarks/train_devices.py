@@ -68,8 +68,17 @@ def base_config(args: argparse.Namespace) -> RecsysConfig:
                 "learning_rate": args.learning_rate,
                 "jit_compile": args.jit,
                 "cache": args.cache,
+                "learning_rate_schedule": "constant",
+                "early_stopping_patience": 0,
+                "refit": "off",
             },
-            "model": {"negatives": args.negatives},
+            # The model and fits these step times were measured on, pinned: the code's
+            # defaults are the benchmarked model (transformer, full softmax, refit).
+            "model": {
+                "query_encoder": "mean",
+                "user_embedding": True,
+                "negatives": args.negatives,
+            },
         }
     )
 

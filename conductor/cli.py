@@ -3,29 +3,54 @@
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
-from recsys.core.config import load_config
-from recsys.core.errors import ACCESS_ERRNOS, RecsysError, StorageError, storage_errno
-from recsys.core.layout import STAGES, parse_date
+import yaml
+
+from recsys.core.auto import DataShape
+from recsys.core.config import RecsysConfig, load_config, set_values
+from recsys.core.errors import (
+    ACCESS_ERRNOS,
+    ConfigError,
+    DataError,
+    RecsysError,
+    StorageError,
+    storage_errno,
+)
+from recsys.core.layout import STAGES, DataFile, parse_date, require_complete
 from recsys.core.logs import configure_logging
 from recsys.core.redact import redact_text
+from recsys.core.resolve import format_settings, resolve_config
 
 log = logging.getLogger("recsys")
 
 
 def _parser() -> argparse.ArgumentParser:
-    common = argparse.ArgumentParser(add_help=False)
-    common.add_argument("--config", help="YAML config (default: configs/default.yaml)")
+    settings = argparse.ArgumentParser(add_help=False)
+    settings.add_argument(
+        "--config",
+        help="YAML config; the settings it leaves out take the built-in defaults, which are "
+        "also what runs without --config (docs/CONFIG.md)",
+    )
+    settings.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override one setting, e.g. --set training.epochs=3 (VALUE is YAML; repeatable)",
+    )
+    settings.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    common = argparse.ArgumentParser(add_help=False, parents=[settings])
     common.add_argument("--workdir", default="recsys-work", help="working directory")
     common.add_argument(
         "--date", help="run date YYYY-MM-DD: data up to and including it (default: yesterday, UTC)"
     )
     common.add_argument("--input", help="raw input path (overrides the config's data source)")
-    common.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     run_id = argparse.ArgumentParser(add_help=False)
     run_id.add_argument("--run-id", help="training run to use (default: the date's latest)")
 
@@ -107,6 +132,19 @@ def _parser() -> argparse.ArgumentParser:
     rep.add_argument(
         "--check", action="store_true", help="change nothing; exit 12 if anything disagrees"
     )
+    cfg = sub.add_parser("config", help="the configuration a run trains with")
+    cfg_sub = cfg.add_subparsers(dest="config_command", required=True)
+    show = cfg_sub.add_parser(
+        "show",
+        parents=[settings],
+        help="every setting, its value and where it came from (default, file, override, "
+        "dense_log, auto)",
+    )
+    show.add_argument(
+        "--data",
+        help="a preprocessed data folder (<workdir>/data/<date>): decide the `auto` settings "
+        "from its stats.json (default: show them undecided, with their rule)",
+    )
     ab = sub.add_parser("ab", help="online A/B tests: assign users, analyse the log, decide")
     ab_sub = ab.add_subparsers(dest="ab_command", required=True)
     _ab_parsers(ab_sub, common)
@@ -186,7 +224,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         # Checked before the commands' import, which is about 5 s (TensorFlow, Beam, MLflow;
         # `python -X importtime`) that `--help` and a bad config or date never need.
+        args.overrides = _overrides(args.set)
         config = load_config(args.config)
+        if args.overrides:
+            config = set_values(config, args.overrides)
+        if args.command == "config":
+            print(_show_config(config, args.data))
+            return 0
         date = parse_date(getattr(args, "date", None), config.nightly.timezone)
         from conductor.commands import dispatch
 
@@ -207,6 +251,37 @@ def main(argv: Sequence[str] | None = None) -> int:
         )
         print(f"recsys: error: {redact_text(str(error))}", file=sys.stderr)
         return error.exit_code
+
+
+def _overrides(pairs: list[str]) -> dict[str, Any]:
+    """`--set KEY=VALUE` options as {dotted key: YAML value}."""
+    values: dict[str, Any] = {}
+    for pair in pairs:
+        key, sep, text = pair.partition("=")
+        if not sep or not key.strip():
+            raise ConfigError(f"--set {pair!r}: expected KEY=VALUE, e.g. --set training.epochs=3")
+        try:
+            values[key.strip()] = yaml.safe_load(text)
+        except yaml.YAMLError:
+            # The value is not repeated: it may be a credential.
+            raise ConfigError(f"--set {key.strip()}: the value is not valid YAML") from None
+    return values
+
+
+def _show_config(config: RecsysConfig, data: str | None) -> str:
+    """`recsys config show`: the resolved settings, decided from `data`'s stats.json if given."""
+    stats = None
+    if data:
+        stats_path = require_complete(Path(data), "recsys preprocess") / DataFile.STATS
+        try:
+            stats = json.loads(stats_path.read_text())
+            DataShape.from_stats(stats)  # what the rules read
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
+            raise DataError(
+                f"{stats_path}: not the stats.json `recsys preprocess` writes ({exc!r}); "
+                "give --data a folder that `recsys preprocess` wrote"
+            ) from None
+    return format_settings(resolve_config(config, stats))
 
 
 if __name__ == "__main__":

@@ -22,7 +22,7 @@ from conductor.repair import format_report as format_repair
 from recsys import tuning
 from recsys.ab import workflow as ab_workflow
 from recsys.ab.planning import format_plan, plan
-from recsys.core.config import MAX_COUNT, MAX_SECONDS, MAX_WORKERS, REPO_CONFIGS, RecsysConfig
+from recsys.core.config import MAX_COUNT, MAX_SECONDS, MAX_WORKERS, RecsysConfig, set_dotted
 from recsys.core.errors import ConfigError
 from recsys.core.layout import (
     SUCCESS,
@@ -198,8 +198,10 @@ def _check_tune_args(args: argparse.Namespace) -> None:
 
 def _tune(args: argparse.Namespace, config: RecsysConfig, workdir: Workdir, date: dt.date) -> None:
     _check_tune_args(args)
-    source = Path(args.config) if args.config else REPO_CONFIGS / "default.yaml"
-    base = yaml.safe_load(source.read_text()) if source.is_file() else {}
+    # The file as written (the tuned one keeps its layout); no file: the built-in defaults.
+    base = yaml.safe_load(Path(args.config).read_text()) if args.config else {}
+    for key, value in getattr(args, "overrides", {}).items():
+        set_dotted(base, key, value)
     if args.input:
         config = config.with_input(args.input)
         base["data"] = config.data.model_dump(mode="json", exclude_defaults=True)

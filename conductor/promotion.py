@@ -33,6 +33,7 @@ from recsys.core.layout import (
     temp_prefix,
 )
 from recsys.core.redact import redact_text, redact_tree
+from recsys.core.resolve import mlflow_params, read_settings
 from recsys.model_evaluation import evaluate_model
 from recsys.serving_state import ServingState, sync_serving
 from recsys.tracking import gate, registry
@@ -153,8 +154,10 @@ def _publish(
     metrics["train_examples_per_second"] = float(train_info.get("examples_per_second", 0.0))
     metrics["train_loop_seconds"] = float(train_info.get("seconds", 0.0))
     metrics["model_version"] = float(exported["version"])
+    resolved = run_dir / RunFile.RESOLVED_CONFIG
     artifacts: list[Artifact] = [
         run_dir / RunFile.CONFIG,
+        *([resolved] if resolved.is_file() else []),  # runs trained before it was written
         run_dir / RunFile.METRICS,
         run_dir / RunFile.PER_USER_EVAL,
         run_dir / RunFile.HISTORY,
@@ -187,8 +190,8 @@ def _publish(
         "data_dir": str(data_dir.resolve()),
         "model_version": str(exported["version"]),
         **{f"device.{k}": str(v) for k, v in state["device"].items()},
-        # What the config's dense_log rule changed for this log ({}: nothing), beside the
-        # params, which are the config as given.
+        # What the config's dense_log rule changed for this log ({}: nothing); the params hold
+        # every value as trained, and `written.<key>` the value it replaced.
         "dense_log_settings": json.dumps(train_info.get("dense_log_settings", {}), sort_keys=True),
         **owner_tags(workdir.root),
     }
@@ -203,6 +206,7 @@ def _publish(
         tags=tags,
         dataset_source=str(data_dir.resolve()),
         tracking_uri=uri,
+        params=mlflow_params(read_settings(resolved)) if resolved.is_file() else None,
     )
     client = connect(config, workdir.root, uri)
     name = config.model_name

@@ -46,6 +46,7 @@ from recsys.core.layout import (
 )
 from recsys.core.progress import bar
 from recsys.core.redact import redact_tree
+from recsys.core.resolve import write_settings
 from recsys.model import TrainedModel
 from recsys.model_evaluation import evaluate_model
 from recsys.serving_state import champion_record
@@ -192,6 +193,7 @@ def train(
     # sync` still finds this run's MLflow twin from this file.
     clean = redact_tree(config.model_dump(mode="json"), environ={})
     (run_dir / RunFile.CONFIG).write_text(yaml.safe_dump(clean))
+    write_settings(run_dir / RunFile.RESOLVED_CONFIG, result.resolved)
     mark_complete(run_dir)
     return run_dir, result
 

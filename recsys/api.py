@@ -53,6 +53,7 @@ if TYPE_CHECKING:
         WorkdirLockedError,
     )
     from recsys.core.layout import Workdir, parse_date
+    from recsys.core.resolve import resolve_config
     from recsys.model import TrainedModel
     from recsys.model_evaluation import evaluate_model
     from recsys.tracking.compare import compare
@@ -66,6 +67,8 @@ _SOURCES: dict[str, tuple[str, str]] = {
     "RecsysConfig": ("recsys.core.config", "RecsysConfig"),
     "load_config": ("recsys.core.config", "load_config"),
     "parse_config": ("recsys.core.config", "parse_config"),
+    # Every setting as a run trains it (`auto` decided for given stats), and its origin.
+    "resolve_config": ("recsys.core.resolve", "resolve_config"),
     "Workdir": ("recsys.core.layout", "Workdir"),
     "WorkdirLock": ("conductor.lock", "WorkdirLock"),
     "parse_date": ("recsys.core.layout", "parse_date"),
@@ -146,6 +149,7 @@ __all__ = [
     "plan",
     "preprocess",
     "publish",
+    "resolve_config",
     "run_nightly",
     "sync",
     "train",

@@ -56,8 +56,7 @@ from recsys.core.layout import DataFile
 from recsys.core.logs import configure_logging
 from recsys.core.progress import bar
 from recsys.core.redact import redact_text
-from recsys.model.defaults import DataShape, resolve_schedule
-from recsys.model.defaults import resolve as resolve_auto
+from recsys.core.resolve import resolve_config
 from recsys.tracking import runs as tracking
 from recsys.training.trainer import train
 from recsys.tuning_study import (
@@ -133,7 +132,7 @@ def baseline_params(
     """The base config's values of the searched keys, or ({}, why they cannot be a trial).
 
     With the data's `stats`, `auto` model settings are resolved as training would resolve
-    them (recsys.model.defaults), so `user_embedding: auto` is the baseline's true or false.
+    them (recsys.core.resolve), so `user_embedding: auto` is the baseline's true or false.
     """
     params = base_values(config, stats)
     for key, dimension in config.tune.space.items():
@@ -146,15 +145,9 @@ def baseline_params(
 
 def base_values(config: RecsysConfig, stats: dict[str, Any] | None = None) -> dict[str, Any]:
     """The base config's values of the searched keys; `auto` resolved only given `stats`."""
-    model, training = config.model, config.training
-    if stats is not None:
-        shape = DataShape.from_stats(stats)
-        model = resolve_auto(model, shape)[0]
-        training = resolve_schedule(config, shape)[0].training
-    sections = {"model": model, "training": training}
-    return {
-        key: getattr(sections[key.split(".")[0]], key.split(".")[1]) for key in config.tune.space
-    }
+    trained = config if stats is None else resolve_config(config, stats).config
+    values = trained.flat()
+    return {key: values[key] for key in config.tune.space}
 
 
 def suggest(trial: optuna.Trial, space: dict[str, SearchDimension]) -> dict[str, Any]:

@@ -7,14 +7,18 @@ import os
 os.environ.setdefault("TF_USE_LEGACY_KERAS", "1")
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
+import json
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from conductor import stages
-from recsys.core.config import RecsysConfig, parse_config
-from recsys.core.layout import Workdir
+from recsys.core.config import ModelConfig, RecsysConfig, parse_config
+from recsys.core.layout import DataFile, Workdir
+from recsys.core.resolve import resolve_config
+from recsys.model import TrainedModel
 from recsys.synthetic import write_csv
 from tests.mlflow_server import MlflowServer, mlflow_server
 from tests.postgres_server import PostgresServer, find_bin, postgres_server
@@ -50,6 +54,44 @@ SMALL = {
     "export": {"top_k": 10},
 }
 SMALL_DATE = "2026-01-05"  # the last day of SMALL's synthetic log
+
+# SMALL trains the default (benchmarked) model. Tests of a stage's plumbing rather than of the
+# model pin these instead, the cheapest model the code offers: mean pooling, in-batch
+# negatives, a per-user table and one fit without early stopping.
+PLAIN_MODEL = {"query_encoder": "mean", "negatives": "in_batch", "user_embedding": True}
+PLAIN_TRAINING = {
+    "learning_rate_schedule": "constant",
+    "early_stopping_patience": 0,
+    "refit": "off",
+}
+
+
+def plain(raw: dict[str, Any]) -> dict[str, Any]:
+    """A raw config (e.g. SMALL) with PLAIN_MODEL and PLAIN_TRAINING pinned."""
+    model = {**raw.get("model", {}), **PLAIN_MODEL}
+    return {**raw, "model": model, "training": {**raw.get("training", {}), **PLAIN_TRAINING}}
+
+
+def plain_prepared(
+    prepared: tuple[RecsysConfig, Workdir, Path],
+) -> tuple[RecsysConfig, Workdir, Path]:
+    """`prepared` with SMALL's config replaced by plain(SMALL) (same data), for a module whose
+    tests check a stage's plumbing: it overrides its `prepared` fixture with this."""
+    _, workdir, data_dir = prepared
+    return parse_config(plain(SMALL)), workdir, data_dir
+
+
+def decided(config: RecsysConfig, data_dir: Path) -> RecsysConfig:
+    """`config` with its `auto` settings decided for data_dir's stats.json, as training does."""
+    stats = json.loads((data_dir / DataFile.STATS).read_text())
+    return resolve_config(config, stats).config
+
+
+def build_model(data_dir: Path, model: ModelConfig) -> TrainedModel:
+    """Untrained towers for data_dir's vocabularies; `auto` settings decided for its data."""
+    users = (data_dir / DataFile.USER_VOCAB).read_text().split()
+    items = (data_dir / DataFile.ITEM_VOCAB).read_text().split()
+    return TrainedModel.build(users, items, decided(RecsysConfig(model=model), data_dir).model)
 
 
 @pytest.fixture

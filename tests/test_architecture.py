@@ -87,6 +87,7 @@ LAYOUT_FILE_NAMES = (
     "export_version.json",
     "summary.md",
     "config.yaml",
+    "resolved_config.yaml",
     "champion.json",
     "manifest.json",
     "items.parquet",

@@ -21,7 +21,7 @@ import yaml
 from conductor import stages
 from recsys.core.config import parse_config
 from recsys.core.layout import Workdir
-from tests.conftest import SMALL, SMALL_DATE
+from tests.conftest import SMALL, SMALL_DATE, plain
 
 pytestmark = pytest.mark.slow
 
@@ -54,7 +54,7 @@ def _alive(pid: int) -> bool:
 def test_a_killed_export_takes_its_children_and_leaves_scratch_only_under_the_workdir(
     tmp_path: Path,
 ) -> None:
-    raw = {**SMALL, "training": {**SMALL["training"], "epochs": 1}}
+    raw = plain({**SMALL, "training": {**SMALL["training"], "epochs": 1}})  # not about the model
     config_file = tmp_path / "c.yaml"
     config_file.write_text(yaml.safe_dump(raw))
     config, workdir = parse_config(raw), Workdir(tmp_path / "work")

@@ -6,18 +6,21 @@ from pathlib import Path
 
 import pytest
 
-from recsys.core.config import REPO_CONFIGS, load_config, parse_config
+from recsys.core.config import load_config, parse_config
 from recsys.core.errors import ConfigError
+from tests.conftest import REPO
+
+CONFIGS = REPO / "configs"
 
 
-@pytest.mark.parametrize("path", sorted(REPO_CONFIGS.glob("*.yaml")), ids=lambda p: p.name)
+@pytest.mark.parametrize("path", sorted(CONFIGS.glob("*.yaml")), ids=lambda p: p.name)
 def test_shipped_configs_validate(path: Path) -> None:
     assert load_config(path).model_name
 
 
 def test_repo_configs_are_found() -> None:
-    """The default config is found from the package (an empty glob would skip the test above)."""
-    assert (REPO_CONFIGS / "default.yaml").is_file(), REPO_CONFIGS
+    """The shipped configs are found (an empty glob would skip the test above)."""
+    assert (CONFIGS / "default.yaml").is_file(), CONFIGS
 
 
 def test_unknown_key_is_named() -> None:

@@ -35,7 +35,10 @@ MIRRORED_CHILD = textwrap.dedent(
     )
     from recsys.training.trainer import make_strategy
 
-    config = ModelConfig(embedding_dim=8, hidden_dims=[8], history_length=4, oov_buckets=1)
+    config = ModelConfig(
+        embedding_dim=8, hidden_dims=[8], history_length=4, oov_buckets=1,
+        query_encoder="mean", negatives="in_batch", user_embedding=True,
+    )
     users, items = [f"u{i}" for i in range(20)], [f"i{i}" for i in range(30)]
     rng = np.random.default_rng(0)
     batch = {
@@ -138,9 +141,9 @@ def test_trainer_mirrored_on_two_logical_cpus(tmp_path: Path) -> None:
     from conductor import stages
     from recsys.core.config import parse_config
     from recsys.core.layout import Workdir
-    from tests.conftest import SMALL, SMALL_DATE
+    from tests.conftest import SMALL, SMALL_DATE, plain
 
-    config = parse_config(SMALL)
+    config = parse_config(plain(SMALL))  # the device layout is at stake, not the model
     data_dir, _ = stages.preprocess(
         config, Workdir(tmp_path / "work"), dt.date.fromisoformat(SMALL_DATE)
     )
@@ -241,8 +244,11 @@ def test_parameter_servers_train_the_model_multi_worker_mirrored_trains(
     from recsys.core.config import parse_config
     from recsys.model import TrainedModel
     from recsys.training.trainer import validation_callback
+    from tests.conftest import SMALL, plain
 
-    config, _, data_dir = prepared
+    # The plain model: the recall bounds below were measured on it (the layouts are at stake).
+    _, _, data_dir = prepared
+    config = parse_config(plain(SMALL))
     raw = config.model_dump(mode="json")
     raw["training"].update(
         {"epochs": 6, "batch_size": 128, "early_stopping_metric": "recall_at_10"}

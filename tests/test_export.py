@@ -26,11 +26,12 @@ from serving_export.signatures import (
 )
 from serving_export.verify import compare_topk, sample_users, verify_export
 from serving_export.warmup import WARMUP_DIR, WARMUP_FILE, read_warmup_requests
+from tests.conftest import PLAIN_MODEL
 
 USERS = [f"u{i}" for i in range(12)]
 ITEMS = [f"item-{i}" for i in range(25)]
 # hidden_dims makes the output width (6) differ from embedding_dim, as it can in production.
-CONFIG = ModelConfig(embedding_dim=8, hidden_dims=[16, 6], oov_buckets=3)
+CONFIG = ModelConfig(embedding_dim=8, hidden_dims=[16, 6], oov_buckets=3, **PLAIN_MODEL)
 VERSION = 3
 TOP_K = 5
 TOL = 1e-5

@@ -20,6 +20,7 @@ from serving_export.embeddings import (
     write_item_embeddings,
     write_user_embeddings,
 )
+from tests.conftest import PLAIN_MODEL
 
 USERS = [f"user-{i}" for i in range(20)]
 ITEMS = [f"item-{i}" for i in range(30)]
@@ -29,7 +30,8 @@ DIM = 5
 @pytest.fixture(scope="module")
 def model() -> TrainedModel:
     tf.keras.utils.set_random_seed(11)
-    return TrainedModel.build(USERS, ITEMS, ModelConfig(embedding_dim=8, hidden_dims=[DIM]))
+    config = ModelConfig(embedding_dim=8, hidden_dims=[DIM], **PLAIN_MODEL)
+    return TrainedModel.build(USERS, ITEMS, config)
 
 
 def test_items_file_schema_and_values(model: TrainedModel, tmp_path: Path) -> None:

@@ -30,10 +30,17 @@ from serving_export.serving_config import (
     write_models_config,
 )
 from serving_export.signatures import MODEL_NAMES
-from tests.conftest import SMALL_DATE
+from tests.conftest import SMALL_DATE, plain_prepared
 
 DATE = dt.date.fromisoformat(SMALL_DATE)
 REPO = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture(scope="module")
+def prepared(prepared: tuple[RecsysConfig, Workdir, Path]) -> tuple[RecsysConfig, Workdir, Path]:
+    """SMALL's data with the plain model (conftest.PLAIN_MODEL): these tests check the export
+    and its publication, not the model."""
+    return plain_prepared(prepared)
 
 
 @pytest.fixture(scope="module")

@@ -24,7 +24,7 @@ import yaml
 from mlflow import MlflowClient
 
 from recsys.core.layout import TEMP_PREFIXES
-from tests.conftest import SMALL, SMALL_DATE
+from tests.conftest import SMALL, SMALL_DATE, plain
 from tests.mlflow_server import MlflowServer
 
 pytestmark = pytest.mark.slow
@@ -37,10 +37,12 @@ METRIC_TOLERANCE = 0.08
 
 
 def _config(root: Path, uri: str, name: str, **training: object) -> Path:
+    # The plain model (conftest.PLAIN_MODEL): these tests check recovery, not the model.
+    base = plain(SMALL)
     raw = {
-        **SMALL,
+        **base,
         "model_name": name,
-        "training": {**SMALL["training"], "epochs": 4, "checkpoint_every_steps": 4, **training},
+        "training": {**base["training"], "epochs": 4, "checkpoint_every_steps": 4, **training},
         "tracking": {"uri": uri, "retries": 2, "backoff_seconds": 0.2},
         "gate": {"bootstrap_samples": 200},
     }

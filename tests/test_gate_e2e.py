@@ -21,7 +21,7 @@ from mlflow import MlflowClient
 
 from conductor import cli
 from recsys.tracking.compare import user_segments
-from tests.conftest import SMALL, SMALL_DATE
+from tests.conftest import SMALL, SMALL_DATE, plain
 from tests.mlflow_server import MlflowServer
 
 pytestmark = pytest.mark.slow
@@ -33,10 +33,12 @@ MODEL = "e2e-model"
 def _config(
     root: Path, uri: str, epochs: int, refit: str = "off", dense: bool = False, mode: str = "full"
 ) -> Path:
+    # The plain model (conftest.PLAIN_MODEL): these tests check the gate, not the model.
+    base = plain(SMALL)
     raw = {
-        **SMALL,
+        **base,
         "model_name": MODEL,
-        "training": {**SMALL["training"], "epochs": epochs, "refit": refit, "mode": mode},
+        "training": {**base["training"], "epochs": epochs, "refit": refit, "mode": mode},
         "tracking": {"uri": uri, "retries": 2, "backoff_seconds": 0.2},
         "gate": {"bootstrap_samples": 500},
     }

@@ -33,12 +33,15 @@ from recsys.model import ItemFeatures, TrainedModel
 from serving_export import samples, verify
 from serving_export.savedmodels import export_savedmodels
 from serving_export.signatures import CANDIDATE, SIGNATURE, TF_EXAMPLE_SIGNATURE
+from tests.conftest import PLAIN_MODEL
 
 USERS = [f"u{i}" for i in range(10)]
 ITEMS = [f"item-{i}" for i in range(30)]
 GENRE_NAMES = ["Action", "Comedy", "Drama", "Sci-Fi", "Film-Noir"]
 TITLES = ["Star Wars", "Café Society", "The Naked Gun", "Heat", "Ça Ira"]
-CONFIG = ModelConfig(embedding_dim=8, hidden_dims=[16, 6], oov_buckets=3, max_title_tokens=3)
+CONFIG = ModelConfig(
+    embedding_dim=8, hidden_dims=[16, 6], oov_buckets=3, max_title_tokens=3, **PLAIN_MODEL
+)
 TOL = 1e-5
 
 TRICKY_TITLES = [

@@ -107,6 +107,10 @@ def test_mlflow_run_has_params_metrics_and_artifacts(nightly: tuple[Path, str]) 
     assert run.data.tags["run_date"] == SMALL_DATE
     assert run.data.tags["data_fingerprint"]
     assert run.data.params["training.epochs"] == str(SMALL["training"]["epochs"])
+    # Params are the values trained with; `written.*` keeps what an `auto` replaced.
+    assert run.data.params["model.negatives"] == "full"
+    assert run.data.params["written.model.negatives"] == "auto"
+    assert run.data.params["training.precision"] == "float32"
     for name in (
         "test_recall_at_10",
         "test_recall_at_50",
@@ -117,7 +121,25 @@ def test_mlflow_run_has_params_metrics_and_artifacts(nightly: tuple[Path, str]) 
     loss = client.get_metric_history(run.info.run_id, "loss")
     assert len(loss) == SMALL["training"]["epochs"]
     artifacts = {a.path for a in client.list_artifacts(run.info.run_id)}
-    assert {"config.yaml", "stats.json", "metrics.json"} <= artifacts
+    assert {"config.yaml", "resolved_config.yaml", "stats.json", "metrics.json"} <= artifacts
+
+
+def test_run_folder_records_the_settings_it_trained_with(nightly: tuple[Path, str]) -> None:
+    """config.yaml is the config as given; resolved_config.yaml says what ran, and why."""
+    work, _ = nightly
+    run = _single(work / "runs" / SMALL_DATE)
+    stats = json.loads((work / "data" / SMALL_DATE / "stats.json").read_text())
+    assert yaml.safe_load((run / "config.yaml").read_text())["model"]["negatives"] == "auto"
+    settings = yaml.safe_load((run / "resolved_config.yaml").read_text())
+    assert settings["model.negatives"] == {
+        "value": "full",
+        "source": "auto",
+        "written": "auto",
+        "why": f"full: {stats['items']} items <= 50000",
+    }
+    assert settings["model.embedding_dim"] == {"value": 16, "source": "file"}
+    assert settings["model.query_encoder"] == {"value": "transformer", "source": "default"}
+    assert settings["training.strategy"]["value"] == "one_device"
 
 
 def test_embeddings_parquet_shapes_and_ids(nightly: tuple[Path, str]) -> None:

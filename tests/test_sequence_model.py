@@ -13,11 +13,10 @@ import pytest
 import tensorflow as tf
 
 from conductor import stages
-from recsys.core.config import ModelConfig, RecsysConfig, parse_config, set_values
+from recsys.core.config import ModelConfig, RecsysConfig
 from recsys.core.layout import Workdir
 from recsys.losses import in_batch_softmax_loss
 from recsys.model import TrainedModel, TwoTowerModel, warm_start
-from recsys.model.defaults import DataShape, resolve, resolve_schedule
 from recsys.model.encoders import GRUEncoder, TransformerEncoder, right_align
 from recsys.model.negatives import sample_pool
 from recsys.training.memory import FLOAT, estimate
@@ -33,6 +32,7 @@ TRANSFORMER = ModelConfig(
     embedding_dim=16,
     encoder_dropout=0.0,
     item_features=False,
+    user_embedding=True,
 )
 GRU = TRANSFORMER.model_copy(update={"query_encoder": "gru"})
 
@@ -216,39 +216,9 @@ def test_full_catalog_loss_equals_numpy_cross_entropy() -> None:
     assert loss == pytest.approx(float((lse - logits[[0, 1, 2], [2, 6, 6]]).sum()), rel=1e-5)
 
 
-def test_auto_negatives_resolve_by_catalog_size() -> None:
-    config = ModelConfig(negatives="auto")
-    small, reasons = resolve(config, DataShape(items=12_000, events_per_user=9.0))
-    assert small.negatives == "full" and "12000 items" in reasons[0]
-    large, _ = resolve(config, DataShape(items=5_000_000, events_per_user=9.0))
-    assert large.negatives == "mixed"
-    assert resolve(ModelConfig(), DataShape(items=10, events_per_user=1.0)) == (ModelConfig(), [])
-
-
-def test_auto_user_table_is_on_when_users_have_more_events_than_the_window() -> None:
-    config = ModelConfig(user_embedding="auto", history_length=20)
-    sparse, reasons = resolve(config, DataShape(items=12_000, events_per_user=9.0))
-    assert sparse.user_embedding is False
-    assert reasons == ["user_embedding=false (9.0 events/user <= history_length 20)"]
-    dense, _ = resolve(config, DataShape(items=1_700, events_per_user=106.0))
-    assert dense.user_embedding is True
-    ids_only = config.model_copy(update={"history_length": 0})
-    assert resolve(ids_only, DataShape(items=10, events_per_user=1.0))[0].user_embedding is True
+def test_the_model_refuses_an_auto_setting_left_undecided() -> None:
     with pytest.raises(ValueError, match="user_embedding 'auto' must be resolved"):
-        TrainedModel.build(USERS, ITEMS, config)
-
-
-def test_auto_schedule_is_cosine_when_users_have_more_events_than_the_window() -> None:
-    config = parse_config({"model": {"history_length": 20}})
-    auto = set_values(config, {"training.learning_rate_schedule": "auto"})
-    sparse, reasons = resolve_schedule(auto, DataShape(items=12_000, events_per_user=9.0))
-    assert sparse.training.learning_rate_schedule == "constant"
-    assert reasons == ["learning_rate_schedule=constant (9.0 events/user <= history_length 20)"]
-    dense, _ = resolve_schedule(auto, DataShape(items=1_700, events_per_user=106.0))
-    assert dense.training.learning_rate_schedule == "cosine"
-    assert dense.model == auto.model and dense.training.learning_rate == 0.01
-    # A schedule the config names is kept, whatever the shape.
-    assert resolve_schedule(config, DataShape(items=10, events_per_user=106.0)) == (config, [])
+        TrainedModel.build(USERS, ITEMS, ModelConfig(user_embedding="auto"))
 
 
 @pytest.mark.parametrize("positions", ["absolute", "relative"])
@@ -341,7 +311,7 @@ def test_saved_sequence_query_model_matches_in_memory_vectors(
         history_length=LENGTH,
         user_embedding=user_embedding,
     )
-    raw["training"]["epochs"] = 1
+    raw["training"].update(epochs=1, refit="off")  # the saved towers are at stake, not a refit
     run_dir, result = stages.train(
         RecsysConfig.model_validate(raw), workdir, dt.date.fromisoformat(SMALL_DATE), data_dir
     )

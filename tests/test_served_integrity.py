@@ -24,9 +24,16 @@ from recsys.core.errors import ServedModelError
 from recsys.core.layout import Workdir
 from serving_export.integrity import check_routed, check_serving, record_path, routed_versions
 from serving_export.serving_config import set_version_labels
-from tests.conftest import SMALL_DATE
+from tests.conftest import SMALL_DATE, plain_prepared
 
 DATE = dt.date.fromisoformat(SMALL_DATE)
+
+
+@pytest.fixture(scope="module")
+def prepared(prepared: tuple[RecsysConfig, Workdir, Path]) -> tuple[RecsysConfig, Workdir, Path]:
+    """SMALL's data with the plain model (conftest.PLAIN_MODEL): these tests check the served
+    versions' integrity checks, not the model."""
+    return plain_prepared(prepared)
 
 
 @pytest.fixture(scope="module")

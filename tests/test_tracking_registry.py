@@ -23,6 +23,7 @@ from conductor.promotion import PENDING, publish_run
 from recsys.core.config import RecsysConfig, TrackingConfig
 from recsys.core.errors import TrackingError
 from recsys.core.layout import Workdir, mark_complete, new_run_id
+from recsys.core.resolve import resolve_config, write_settings
 from recsys.tracking import registry
 from tests.mlflow_server import MlflowServer, free_port, mlflow_server
 
@@ -53,6 +54,7 @@ def fake_run(
     # reason) without loading TensorFlow; real champion evaluation is tested end to end.
     (run_dir / "model" / "weights.bin").write_bytes(b"\x00weights")
     (run_dir / "config.yaml").write_text(yaml.safe_dump(config.model_dump(mode="json")))
+    write_settings(run_dir / "resolved_config.yaml", resolve_config(config).records())
     train = {"data_dir": str(data_dir), "examples_per_second": 1234.5, "seconds": 2.0}
     (run_dir / "train.json").write_text(json.dumps(train))
     (run_dir / "history.json").write_text(json.dumps({"loss": [3.0, 2.0], "val_loss": [3.5, 2.5]}))

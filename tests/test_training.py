@@ -14,18 +14,14 @@ from recsys.core.layout import Workdir
 from recsys.data_io import load_split
 from recsys.model import TrainedModel
 from recsys.training.dataset import item_log_probabilities, training_dataset
-from tests.conftest import SMALL_DATE
+from tests.conftest import SMALL_DATE, build_model
 
 DATE = dt.date.fromisoformat(SMALL_DATE)
 
 
 def test_dataset_batches_are_model_indices(prepared: tuple[RecsysConfig, Workdir, Path]) -> None:
     config, _, data_dir = prepared
-    model = TrainedModel.build(
-        (data_dir / "vocab/users.txt").read_text().split(),
-        (data_dir / "vocab/items.txt").read_text().split(),
-        config.model,
-    )
+    model = build_model(data_dir, config.model)
     batch = next(iter(training_dataset(data_dir, "train", model, 64)))
     oov = config.model.oov_buckets
     assert batch["user_index"].shape == (64,)
@@ -52,7 +48,9 @@ def test_training_lowers_loss_and_round_trips(
     assert "val_loss" in result.history
     reloaded = TrainedModel.load(run_dir / "model")
     np.testing.assert_allclose(reloaded.item_embeddings(), result.model.item_embeddings())
-    vectors = reloaded.user_embeddings(["u1", "never-seen-user"])
+    # The default model on SMALL's sparse log has no user table: the query is the history.
+    histories = [reloaded.items[:3], reloaded.items[3:5]]
+    vectors = reloaded.user_embeddings(["u1", "never-seen-user"], histories)
     np.testing.assert_allclose(np.linalg.norm(vectors, axis=1), 1.0, rtol=1e-5)
 
 

@@ -6,13 +6,21 @@ import datetime as dt
 import json
 from pathlib import Path
 
+import pytest
 import tensorflow as tf
 
 from conductor import stages
 from recsys.core.config import RecsysConfig
 from recsys.core.layout import Workdir
 from recsys.training.trainer import train
-from tests.conftest import SMALL_DATE
+from tests.conftest import SMALL_DATE, plain_prepared
+
+
+@pytest.fixture(scope="module")
+def prepared(prepared: tuple[RecsysConfig, Workdir, Path]) -> tuple[RecsysConfig, Workdir, Path]:
+    """SMALL's data with the plain model (conftest.PLAIN_MODEL): these tests check the step
+    budget and sampled evaluation, not the model (a refit would add its own steps)."""
+    return plain_prepared(prepared)
 
 
 class _Steps(tf.keras.callbacks.Callback):

@@ -21,7 +21,7 @@ import tensorflow as tf
 
 from conductor import stages
 from recsys.core import schema
-from recsys.core.config import ModelConfig, RecsysConfig, parse_config
+from recsys.core.config import ModelConfig, RecsysConfig, TrainingConfig, parse_config
 from recsys.core.errors import ConfigError, OutOfMemoryError
 from recsys.core.layout import DataFile, Workdir
 from recsys.data_io import load_split
@@ -35,7 +35,7 @@ from recsys.model import (
 )
 from recsys.training import trainer
 from recsys.training.dataset import in_memory_dataset, training_dataset
-from tests.conftest import SMALL, SMALL_DATE
+from tests.conftest import PLAIN_MODEL, SMALL, SMALL_DATE, build_model, plain_prepared
 
 DATE = dt.date.fromisoformat(SMALL_DATE)
 REPO = Path(__file__).resolve().parent.parent
@@ -49,10 +49,16 @@ def with_updates(config: RecsysConfig, **sections: dict) -> RecsysConfig:
     return parse_config(raw)
 
 
+@pytest.fixture(scope="module")
+def prepared(prepared: tuple[RecsysConfig, Workdir, Path]) -> tuple[RecsysConfig, Workdir, Path]:
+    """SMALL's data, trained with the plain model: these tests check the training engine
+    (cache, XLA, checkpoints and resume, early stopping, refit, warm start), not the model, and
+    the default transformer would cost them minutes (XLA on CPU compiles it slowly)."""
+    return plain_prepared(prepared)
+
+
 def _model(data_dir: Path, config: ModelConfig) -> TrainedModel:
-    users = (data_dir / "vocab/users.txt").read_text().split()
-    items = (data_dir / "vocab/items.txt").read_text().split()
-    return TrainedModel.build(users, items, config)
+    return build_model(data_dir, config)
 
 
 def test_history_batches_are_padded_index_matrices(
@@ -123,14 +129,11 @@ def test_cache_and_jit_settings(prepared: tuple[RecsysConfig, Workdir, Path]) ->
     assert not trainer.use_cache("auto", huge, model, one)
     assert trainer.use_cache("memory", huge, model, one)
     assert not trainer.use_cache("none", small, model, one)
-    # auto: XLA on one GPU; on CPU the blocked loss without XLA is faster.
-    assert trainer.use_jit("auto", 1, gpus=1) and not trainer.use_jit("auto", 2, gpus=2)
-    assert not trainer.use_jit("auto", 1, gpus=0)
-    assert trainer.use_jit("on", 2) and not trainer.use_jit("off", 1, gpus=1)
-    # One-pass windows select their trained positions at run time: XLA cannot compile that.
-    assert not trainer.use_jit("auto", 1, gpus=1, source="sequences")
+    # One-pass windows select their trained positions at run time: XLA cannot compile that
+    # (the auto rule: recsys.core.auto.jit_compile, tests/test_resolve.py).
     with pytest.raises(ConfigError, match=r"training\.input rows"):
-        trainer.use_jit("on", 1, source="sequences")
+        trainer.use_jit(TrainingConfig(jit_compile="on", input="sequences"))
+    assert trainer.use_jit(TrainingConfig(jit_compile="on", input="rows"))
 
 
 def test_xla_trains_the_same_model(prepared: tuple[RecsysConfig, Workdir, Path]) -> None:
@@ -238,18 +241,19 @@ def test_item_features_from_parquet(tmp_path: Path) -> None:
 def test_mixed_precision_trains_with_float32_outputs(
     prepared: tuple[RecsysConfig, Workdir, Path],
 ) -> None:
-    """bfloat16 and float16 (emulated on CPU, slow: one epoch of 4 big batches)."""
-    config, _, data_dir = prepared
+    """bfloat16 and float16 (emulated on CPU, slow: one epoch of 4 big batches), on the default
+    model: on a recent GPU `precision: auto` trains the transformer in mixed_float16."""
+    _, _, data_dir = prepared
     for precision in ("mixed_bfloat16", "mixed_float16"):
-        cfg = with_updates(
-            config, training={"precision": precision, "epochs": 1, "batch_size": 512}
-        )
+        training = {"precision": precision, "epochs": 1, "batch_size": 512, "refit": "off"}
+        cfg = parse_config({**SMALL, "training": {**SMALL["training"], **training}})
         result = trainer.train(cfg, data_dir)
-        assert result.precision == precision
+        assert result.precision == precision and result.model.config.query_encoder == "transformer"
         assert np.isfinite(result.history["loss"]).all()
-        compute = result.model.query_tower.embedding.dtype_policy.compute_dtype
+        compute = result.model.candidate_tower.embedding.dtype_policy.compute_dtype
         assert compute == precision.removeprefix("mixed_")
-        vectors = result.model.user_embeddings(result.model.users[:3], [[], [], []])
+        histories = [result.model.items[:2]] * 3
+        vectors = result.model.user_embeddings(result.model.users[:3], histories)
         assert vectors.dtype == np.float32 and np.isfinite(vectors).all()
         assert result.model.item_embeddings().dtype == np.float32
     assert tf.keras.mixed_precision.global_policy().name == "float32"  # left as found
@@ -260,8 +264,6 @@ def test_float16_uses_loss_scaling() -> None:
     assert isinstance(
         trainer.make_optimizer(cfg, "mixed_float16"), tf.keras.mixed_precision.LossScaleOptimizer
     )
-    assert trainer.resolve_precision("auto", []) == "float32"
-    assert trainer.resolve_precision("mixed_bfloat16", []) == "mixed_bfloat16"
 
 
 def test_tf_config_workers(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -778,8 +780,13 @@ def test_models_saved_by_the_first_ids_only_version_still_load(
     assert spec.loader is not None
     monkeypatch.setitem(sys.modules, "old_model", old_module)  # dataclasses look it up
     spec.loader.exec_module(old_module)
-    old_config = json.loads(ModelConfig(embedding_dim=8, hidden_dims=[4]).model_dump_json())
+    old_config = json.loads(
+        ModelConfig(embedding_dim=8, hidden_dims=[4], **PLAIN_MODEL).model_dump_json()
+    )
+    # Keys the first version did not write (later ones migrate to what it trained).
     for key in ("history_length", "share_item_embeddings", "item_features", "max_title_tokens"):
+        old_config.pop(key)
+    for key in PLAIN_MODEL:
         old_config.pop(key)
     old_config.pop("num_hard_negatives")
     old = old_module.TrainedModel.build(["a", "b"], ["x", "y", "z"], ModelConfig(**old_config))

@@ -19,11 +19,13 @@ from recsys.model import PAD, TrainedModel, UserFeatures, warm_start
 from serving_export import verify
 from serving_export.savedmodels import export_savedmodels
 from serving_export.signatures import QUERY
-from tests.conftest import SMALL_DATE
+from tests.conftest import PLAIN_MODEL, SMALL_DATE
 
 USERS = [f"u{i}" for i in range(40)]
 ITEMS = [f"i{i}" for i in range(20)]
-CONFIG = ModelConfig(embedding_dim=8, hidden_dims=[12], oov_buckets=2, user_features=True)
+CONFIG = ModelConfig(
+    embedding_dim=8, hidden_dims=[12], oov_buckets=2, user_features=True, **PLAIN_MODEL
+)
 
 
 def write_users(path: Path, users: list[str]) -> Path:
@@ -124,7 +126,7 @@ def test_training_with_a_user_side_file(
     write_users(data / "user_features.parquet", users)
     raw = config.model_dump(mode="json")
     raw["model"]["user_features"] = True
-    raw["training"]["epochs"] = 1
+    raw["training"].update(epochs=1, refit="off")  # the user features are at stake, not a refit
     run_dir, result = stages.train(
         parse_config(raw), workdir, dt.date.fromisoformat(SMALL_DATE), data
     )

@@ -7,16 +7,23 @@ import hashlib
 import json
 import math
 import re
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    PrivateAttr,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 from recsys.core.errors import ConfigError
 from recsys.core.redact import redact_tree
-
-REPO_CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 
 # Upper bounds of sizes and counts: far above any real run on one machine or cluster, low
 # enough that a typo (an extra zero, `1e9`) is a config error and not a stage that allocates
@@ -77,58 +84,74 @@ class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
 
-class ColumnMap(_Strict):
-    """Which input column holds each schema field."""
+def _column_name(value: Any) -> Any:
+    # Headerless files name their columns "0", "1", ...: YAML `user_id: 0` means column 0.
+    return str(value) if isinstance(value, int) and not isinstance(value, bool) else value
 
-    user_id: str = "user_id"
-    item_id: str = "item_id"
-    timestamp: str = "timestamp"
-    weight: str | None = None
-    event_type: str | None = None
+
+class ColumnMap(_Strict):
+    """Which input column holds each schema field (a name, or an index for headerless files)."""
+
+    user_id: str = Field("user_id", description="Column of the user id.")
+    item_id: str = Field("item_id", description="Column of the item id.")
+    timestamp: str = Field(
+        "timestamp", description="Column of the event time (see data.timestamp_unit)."
+    )
+    weight: str | None = Field(
+        None, description="Column of a per-event weight (e.g. a rating); null: every event 1."
+    )
+    event_type: str | None = Field(
+        None, description="Column of the event type (click, purchase, ...); null: none."
+    )
 
     @field_validator("*", mode="before")
     @classmethod
     def _index_as_name(cls, value: Any) -> Any:
-        # Headerless files name their columns "0", "1", ...: YAML `user_id: 0` means column 0.
-        return str(value) if isinstance(value, int) and not isinstance(value, bool) else value
+        return _column_name(value)
 
 
 class ItemsConfig(_Strict):
     """An optional item side file (genres, title) joined into item_features.parquet."""
 
-    path: str | None = None
-    format: Literal["csv", "jsonl", "movielens-100k", "movielens-dat", "movielens-latest"] = "csv"
-    delimiter: str = ","
-    header: bool = True
-    encoding: str = "utf-8"
-    id_column: str = "item_id"
+    path: str | None = Field(None, description="The item file (local path or URI).")
+    format: Literal["csv", "jsonl", "movielens-100k", "movielens-dat", "movielens-latest"] = Field(
+        "csv", description="Its layout; the MovieLens ones need no further settings."
+    )
+    delimiter: str = Field(",", description="Field separator of a CSV file.")
+    header: bool = Field(True, description="Whether a CSV file's first line names its columns.")
+    encoding: str = Field("utf-8", description="Text encoding of the file.")
+    id_column: str = Field("item_id", description="Column of the item id.")
+    title_column: str | None = Field("title", description="Column of the title; null: none.")
+    genres_column: str | None = Field("genres", description="Column of the genres; null: none.")
+    genres_separator: str = Field("|", description="Separator between genres in one field.")
 
     @field_validator("path")
     @classmethod
     def _path_without_nul(cls, value: str | None) -> str | None:
         return no_nul(value)
 
-    title_column: str | None = "title"
-    genres_column: str | None = "genres"
-    genres_separator: str = "|"
-
     @field_validator("id_column", "title_column", "genres_column", mode="before")
     @classmethod
     def _index_as_name(cls, value: Any) -> Any:
-        return str(value) if isinstance(value, int) and not isinstance(value, bool) else value
+        return _column_name(value)
 
 
 class UsersConfig(_Strict):
     """An optional user side file (e.g. age, gender, occupation) -> user_features.parquet."""
 
-    path: str | None = None
-    format: Literal["csv", "jsonl", "movielens-100k", "movielens-dat"] = "csv"
-    delimiter: str = ","
-    header: bool = True
-    encoding: str = "utf-8"
-    id_column: str = "user_id"
-    # Feature columns to keep, as text; None: every column but the id (header or JSON keys).
-    columns: list[str] | None = None
+    path: str | None = Field(None, description="The user file (local path or URI).")
+    format: Literal["csv", "jsonl", "movielens-100k", "movielens-dat"] = Field(
+        "csv", description="Its layout; the MovieLens ones need no further settings."
+    )
+    delimiter: str = Field(",", description="Field separator of a CSV file.")
+    header: bool = Field(True, description="Whether a CSV file's first line names its columns.")
+    encoding: str = Field("utf-8", description="Text encoding of the file.")
+    id_column: str = Field("user_id", description="Column of the user id.")
+    columns: list[str] | None = Field(
+        None,
+        description="Feature columns to keep, as text; null: every column but the id (the "
+        "header's or the JSON keys).",
+    )
 
     @field_validator("path")
     @classmethod
@@ -138,30 +161,46 @@ class UsersConfig(_Strict):
     @field_validator("id_column", mode="before")
     @classmethod
     def _index_as_name(cls, value: Any) -> Any:
-        return str(value) if isinstance(value, int) and not isinstance(value, bool) else value
+        return _column_name(value)
 
 
 class SyntheticConfig(_Strict):
     """The embedded default data: a deterministic log with latent tastes and power-law items."""
 
-    num_users: int = Field(2000, ge=10, le=100_000_000)
-    num_items: int = Field(1000, ge=10, le=100_000_000)
-    latent_dim: int = Field(8, ge=1, le=1024)
-    mean_interactions_per_user: float = Field(20.0, gt=1, le=100_000)
-    popularity_exponent: float = Field(1.0, ge=0, le=10)
-    taste_strength: float = Field(3.0, ge=0, le=1000)
-    start_date: str = "2026-01-01"
-    days: int = Field(14, ge=1, le=36_500)
-    seed: int = Field(7, ge=0, le=MAX_SEED)
-    item_features: bool = True
-    # taste: the per-user model (every user scores the whole catalog: users x items work,
-    # vectorised in blocks of users for large logs; the default data). sessions: for logs of
-    # millions of rows without that work: sessions on one topic each, whose items follow one
-    # another in a fixed order (recsys/synthetic.py).
-    shape: Literal["taste", "sessions"] = "taste"
-    topics: int = Field(32, ge=1)
-    mean_session_length: float = Field(5.0, ge=1)
-    sequential_probability: float = Field(0.6, ge=0, le=1)
+    num_users: int = Field(2000, ge=10, le=100_000_000, description="Users in the log.")
+    num_items: int = Field(1000, ge=10, le=100_000_000, description="Items in the catalog.")
+    latent_dim: int = Field(8, ge=1, le=1024, description="Dimensions of the latent tastes.")
+    mean_interactions_per_user: float = Field(
+        20.0, gt=1, le=100_000, description="Mean events per user."
+    )
+    popularity_exponent: float = Field(
+        1.0, ge=0, le=10, description="Power-law exponent of item popularity (0: uniform)."
+    )
+    taste_strength: float = Field(
+        3.0, ge=0, le=1000, description="How strongly a user's taste outweighs popularity."
+    )
+    start_date: str = Field("2026-01-01", description="First day of the log (YYYY-MM-DD).")
+    days: int = Field(14, ge=1, le=36_500, description="Days the log spans.")
+    seed: int = Field(7, ge=0, le=MAX_SEED, description="Random seed: same seed, same log.")
+    item_features: bool = Field(
+        True,
+        description="Also write an item file (title, 1-3 genres) next to the log and join it.",
+    )
+    shape: Literal["taste", "sessions"] = Field(
+        "taste",
+        description="taste: every user scores the whole catalog (users x items work, "
+        "vectorised in blocks of users for large logs; the default data). sessions: for logs "
+        "of millions of rows without that work: sessions on one topic each, whose items "
+        "follow one another in a fixed order (recsys/synthetic.py).",
+    )
+    topics: int = Field(32, ge=1, description="sessions: number of topics.")
+    mean_session_length: float = Field(5.0, ge=1, description="sessions: mean events a session.")
+    sequential_probability: float = Field(
+        0.6,
+        ge=0,
+        le=1,
+        description="sessions: probability that the next event is the topic's next item.",
+    )
 
     @field_validator("start_date")
     @classmethod
@@ -197,19 +236,32 @@ class DataConfig(_Strict):
         "movielens-1m",
         "movielens-10m",
         "movielens-latest",
-    ] = "synthetic"
-    path: str | None = None
-    delimiter: str = ","
-    header: bool = True
-    columns: ColumnMap = ColumnMap()
-    timestamp_unit: Literal["s", "ms"] = "s"
-    # Interaction logs are line-oriented: a quoted field may span lines only when this is set
-    # (otherwise one stray quote would swallow every line up to the next quote).
-    multiline_fields: bool = False
-    event_types: list[str] | None = None
-    items: ItemsConfig | None = None
-    users: UsersConfig | None = None
-    synthetic: SyntheticConfig = SyntheticConfig()
+    ] = Field(
+        "synthetic",
+        description="The log's format; synthetic: generated by recsys itself (data.synthetic).",
+    )
+    path: str | None = Field(
+        None, description="The log (file, folder or URI); required unless source is synthetic."
+    )
+    delimiter: str = Field(",", description="Field separator of a CSV log.")
+    header: bool = Field(True, description="Whether a CSV log's first line names its columns.")
+    columns: ColumnMap = Field(ColumnMap(), description="Which column holds each field.")
+    timestamp_unit: Literal["s", "ms"] = Field(
+        "s", description="Unit of numeric timestamps (epoch seconds or milliseconds)."
+    )
+    multiline_fields: bool = Field(
+        False,
+        description="Let a quoted field span lines. Off, as interaction logs are line-oriented: "
+        "one stray quote then spoils one row, not every line up to the next quote.",
+    )
+    event_types: list[str] | None = Field(
+        None, description="Event types kept (needs data.columns.event_type); null: all."
+    )
+    items: ItemsConfig | None = Field(None, description="An item side file; null: none.")
+    users: UsersConfig | None = Field(None, description="A user side file; null: none.")
+    synthetic: SyntheticConfig = Field(
+        SyntheticConfig(), description="The generated log (source synthetic)."
+    )
 
     @field_validator("path")
     @classmethod
@@ -226,34 +278,82 @@ class DataConfig(_Strict):
 class PreprocessConfig(_Strict):
     """Beam job settings: split protocol, sharding, runner options."""
 
-    min_user_interactions: int = Field(5, ge=3, le=MAX_COUNT)
-    num_shards: int = Field(1, ge=1, le=4096)
-    max_rejected_fraction: float = Field(0.01, ge=0, le=1)
-    # Exact repeats of a valid interaction (at-least-once delivery) are not bad rows: they are
-    # dropped and held to their own limit.
-    max_duplicate_fraction: float = Field(0.5, ge=0, le=1)
-    beam_args: list[str] = []
-    history_length: int = Field(20, ge=0, le=MAX_K)
-    split: Literal["leave_last_out", "time_window"] = "leave_last_out"
-    eval_days: int = Field(1, ge=1, le=36_500)
-    min_user_count: int = Field(0, ge=0, le=MAX_ROWS)
-    min_item_count: int = Field(0, ge=0, le=MAX_ROWS)
-    vocab_min_count: int = Field(1, ge=1, le=MAX_ROWS)
-    # Lower timestamp bound: older rows are rejected `before_min_timestamp`. An ISO date/time
-    # (naive = UTC) or epoch seconds; max_age_days counts back from the end of the run date.
-    min_timestamp: int | str | None = None
-    max_age_days: int | None = Field(None, ge=1, le=36_500)
-    # How the shard batches reach the split: "files" spills them (compressed Arrow) under the
-    # output's temporary folder and shuffles only their paths, so memory stays flat with the
-    # in-process runner; "beam" sends the batches through the runner's own shuffle.
-    shuffle: Literal["files", "beam"] = "files"
-    # Where the job runs (docs/PREPROCESSING.md "Runners"): direct = in this process; dask =
-    # a dask.distributed cluster at runner_address (none: a local one, a worker per core);
-    # dataflow / flink / spark = Beam's runners, configured further through beam_args.
-    runner: Literal["direct", "dask", "dataflow", "flink", "spark"] = "direct"
-    # The cluster: a Dask scheduler (tcp://host:8786), a Flink master (host:8081), a Spark
-    # master URL (spark://host:7077). Not used by direct and dataflow.
-    runner_address: str | None = None
+    min_user_interactions: int = Field(
+        5,
+        ge=3,
+        le=MAX_COUNT,
+        description="Users with fewer events are train-only (no validation or test item).",
+    )
+    num_shards: int = Field(1, ge=1, le=4096, description="TFRecord files per split.")
+    max_rejected_fraction: float = Field(
+        0.01,
+        ge=0,
+        le=1,
+        description="The job fails when more than this share of rows is bad (rejected/ keeps "
+        "them).",
+    )
+    max_duplicate_fraction: float = Field(
+        0.5,
+        ge=0,
+        le=1,
+        description="Exact repeats of a valid event (at-least-once delivery) are not bad rows: "
+        "they are dropped and held to this limit of their own.",
+    )
+    beam_args: list[str] = Field([], description="Extra Beam pipeline options.")
+    history_length: int = Field(
+        20,
+        ge=0,
+        le=MAX_K,
+        description="Events of history written with each example (at least model.history_length).",
+    )
+    split: Literal["leave_last_out", "time_window"] = Field(
+        "leave_last_out",
+        description="leave_last_out: each user's last event is test, the one before "
+        "validation; time_window: the last eval_days days before the run date's end are test, "
+        "the eval_days before them validation.",
+    )
+    eval_days: int = Field(1, ge=1, le=36_500, description="time_window: days of the test split.")
+    min_user_count: int = Field(
+        0, ge=0, le=MAX_ROWS, description="Reject users with fewer events (0: keep all)."
+    )
+    min_item_count: int = Field(
+        0, ge=0, le=MAX_ROWS, description="Reject events of items with fewer events (0: keep all)."
+    )
+    vocab_min_count: int = Field(
+        1,
+        ge=1,
+        le=MAX_ROWS,
+        description="Ids seen fewer times stay out of the vocabulary (they share the OOV rows).",
+    )
+    min_timestamp: int | str | None = Field(
+        None,
+        description="Lower timestamp bound: older rows are rejected `before_min_timestamp`. An "
+        "ISO date/time (naive = UTC) or epoch seconds.",
+    )
+    max_age_days: int | None = Field(
+        None,
+        ge=1,
+        le=36_500,
+        description="Reject rows older than this many days before the end of the run date.",
+    )
+    shuffle: Literal["files", "beam"] = Field(
+        "files",
+        description="How the shard batches reach the split: files spills them (compressed "
+        "Arrow) under the output's temporary folder and shuffles only their paths, so memory "
+        "stays flat with the in-process runner; beam sends them through the runner's shuffle.",
+    )
+    runner: Literal["direct", "dask", "dataflow", "flink", "spark"] = Field(
+        "direct",
+        description="Where the job runs (docs/PREPROCESSING.md, Runners): direct in this "
+        "process; dask on a dask.distributed cluster at runner_address (none: a local one, a "
+        "worker per core); dataflow, flink, spark on Beam's runners, configured further "
+        "through beam_args.",
+    )
+    runner_address: str | None = Field(
+        None,
+        description="The cluster: a Dask scheduler (tcp://host:8786), a Flink master "
+        "(host:8081), a Spark master URL (spark://host:7077). Not used by direct and dataflow.",
+    )
 
     @model_validator(mode="after")
     def _one_runner(self) -> PreprocessConfig:
@@ -273,43 +373,79 @@ class PreprocessConfig(_Strict):
 class ModelConfig(_Strict):
     """Two-tower model hyper-parameters."""
 
-    embedding_dim: int = Field(64, ge=2, le=MAX_DIM)
-    hidden_dims: list[Annotated[int, Field(ge=1, le=MAX_DIM)]] = Field([], max_length=16)
-    temperature: float = Field(0.1, gt=0, le=1000)
-    # L2-normalise both towers' outputs (scores are cosines in [-1, 1], scaled by 1/temperature).
-    # false: raw dot products, as in the TFRS tutorial (benchmarks' equal-model comparison).
-    normalize: bool = True
-    logq_correction: bool = True
-    remove_accidental_hits: bool = True
-    l2_regularization: float = Field(0.0, ge=0, le=1000)
-    oov_buckets: int = Field(1, ge=1, le=1_000_000)
-    # Query tower: the last `history_length` items of the user's history, mean-pooled over item
-    # embeddings (0 turns history off). Shared: the candidate tower's item table is reused.
-    # Same default as preprocess.history_length: serving then pools what training saw.
-    history_length: int = Field(20, ge=0, le=MAX_K)
-    share_item_embeddings: bool = True
-    # Query tower: a learned vector per user id, added to the history's encoding. Off, the query
-    # is a function of the history (and user features) alone, as in SASRec: no per-user table to
-    # overfit on logs with a few events per user, and a new user's history is enough to serve.
-    # auto: on when users have more events on average than `history_length` (the table then
-    # carries what the window cannot see), else off (recsys.model.defaults, logged).
-    user_embedding: bool | Literal["auto"] = True
-    # Candidate tower: genres / title tokens from item_features.parquet when it has them.
-    item_features: bool = True
-    # Query tower: one token per user side feature (user_features.parquet: age bucket, gender,
-    # occupation, ...) when the data has a user side file.
-    user_features: bool = False
-    max_title_tokens: int = Field(16, ge=1, le=1024)
-    # Extra hard negatives (TFRS HardNegativeMining): keep only the top-N negatives per query.
-    num_hard_negatives: int | None = Field(None, ge=1, le=MAX_BATCH)
-    # How the history becomes a vector: mean pooling (order ignored), causal self-attention
-    # over the ordered history (SASRec-style) or a GRU over it (GRU4Rec-style; docs/TRAINING.md).
-    query_encoder: Literal["mean", "transformer", "gru"] = "mean"
-    # encoder_layers and encoder_heads shape the transformer only (the GRU is one layer of
-    # embedding_dim units); encoder_dropout applies to both (the GRU's to its inputs).
-    encoder_layers: int = Field(2, ge=1, le=64)
-    encoder_heads: int = Field(1, ge=1, le=64)
-    encoder_dropout: float = Field(0.2, ge=0, lt=1)
+    embedding_dim: int = Field(
+        64, ge=2, le=MAX_DIM, description="Width of the embeddings and of both towers' output."
+    )
+    hidden_dims: list[Annotated[int, Field(ge=1, le=MAX_DIM)]] = Field(
+        [], max_length=16, description="Hidden layer widths of each tower's MLP (none: no MLP)."
+    )
+    temperature: float = Field(
+        0.1, gt=0, le=1000, description="Scores are divided by it before the softmax."
+    )
+    normalize: bool = Field(
+        True,
+        description="L2-normalise both towers' outputs (scores are cosines scaled by "
+        "1/temperature); false: raw dot products, as in the TFRS tutorial.",
+    )
+    logq_correction: bool = Field(
+        True, description="Subtract each sampled negative's log sampling probability."
+    )
+    remove_accidental_hits: bool = Field(
+        True, description="Mask negatives that are the query's own positive item."
+    )
+    l2_regularization: float = Field(
+        0.0, ge=0, le=1000, description="L2 penalty on the embedding tables."
+    )
+    oov_buckets: int = Field(
+        1, ge=1, le=1_000_000, description="Embedding rows shared by ids outside the vocabulary."
+    )
+    history_length: int = Field(
+        20,
+        ge=0,
+        le=MAX_K,
+        description="Query tower: the user's last N items, encoded by query_encoder (0: no "
+        "history). Same default as preprocess.history_length, so serving encodes what "
+        "training saw.",
+    )
+    share_item_embeddings: bool = Field(
+        True, description="The history is embedded with the candidate tower's item table."
+    )
+    user_embedding: bool | Literal["auto"] = Field(
+        "auto",
+        description="Query tower: a learned vector per user id, added to the history's "
+        "encoding. Off, the query is a function of the history (and user features) alone, as "
+        "in SASRec: no per-user table to overfit on logs with few events per user, and a new "
+        "user's history is enough to serve. auto: decided by the data (see the auto rules).",
+    )
+    item_features: bool = Field(
+        True,
+        description="Candidate tower: genre and title tokens, when item_features.parquet has them.",
+    )
+    user_features: bool = Field(
+        False,
+        description="Query tower: one token per user side feature (user_features.parquet: age "
+        "bucket, gender, occupation, ...) when the data has a user side file.",
+    )
+    max_title_tokens: int = Field(16, ge=1, le=1024, description="Title tokens kept per item.")
+    num_hard_negatives: int | None = Field(
+        None,
+        ge=1,
+        le=MAX_BATCH,
+        description="Keep only the top-N negatives per query (TFRS HardNegativeMining); null: all.",
+    )
+    query_encoder: Literal["mean", "transformer", "gru"] = Field(
+        "transformer",
+        description="How the history becomes a vector: mean pooling (order ignored), causal "
+        "self-attention over the ordered history (SASRec-style) or a GRU over it "
+        "(GRU4Rec-style); docs/TRAINING.md.",
+    )
+    encoder_layers: int = Field(
+        2, ge=1, le=64, description="Transformer layers (the GRU is one layer)."
+    )
+    encoder_heads: int = Field(1, ge=1, le=64, description="Transformer attention heads.")
+    encoder_dropout: float = Field(
+        0.2, ge=0, lt=1, description="Dropout of the transformer, and of the GRU's inputs."
+    )
     encoder_positions: Literal["absolute", "relative"] = Field(
         "relative",
         description=(
@@ -320,15 +456,21 @@ class ModelConfig(_Strict):
             "history (recsys/model/attention.py)."
         ),
     )
-    # Softmax negatives: the global batch's other items (in_batch), those plus a shared pool of
-    # `sampled_negatives` items drawn per batch (mixed), or the whole catalog (full). Sampled
-    # columns are logQ-corrected by the mixture of both samplers. sampled: each position
-    # against its own item and the shared pool only (sampled softmax; cost independent of the
-    # catalog and the batch; recsys/model/negatives.py). `auto`: full up to
-    # recsys.model.defaults.FULL_SOFTMAX_MAX_ITEMS catalog items, else mixed (logged).
-    negatives: Literal["auto", "in_batch", "mixed", "full", "sampled"] = "in_batch"
-    sampled_negatives: int = Field(4096, ge=1, le=MAX_BATCH)
-    negative_sampler: Literal["uniform", "popularity"] = "uniform"
+    negatives: Literal["auto", "in_batch", "mixed", "full", "sampled"] = Field(
+        "auto",
+        description="Softmax negatives: the global batch's other items (in_batch), those plus "
+        "a shared pool of sampled_negatives items drawn per batch (mixed), or the whole "
+        "catalog (full). Sampled columns are logQ-corrected by the mixture of both samplers. "
+        "sampled: each position against its own item and the shared pool only (sampled "
+        "softmax; cost independent of the catalog and the batch; recsys/model/negatives.py). "
+        "auto: decided by the catalog size (see the auto rules).",
+    )
+    sampled_negatives: int = Field(
+        4096, ge=1, le=MAX_BATCH, description="mixed: size of the shared sampled pool."
+    )
+    negative_sampler: Literal["uniform", "popularity"] = Field(
+        "uniform", description="mixed: how the pool is drawn from the catalog."
+    )
 
 
 REFIT_SPLITS: dict[str, tuple[str, ...]] = {
@@ -388,68 +530,114 @@ class TrainingConfig(_Strict):
             "(a fresh uniform sample each night), against forgetting."
         ),
     )
-    batch_size: int = Field(1024, ge=1, le=MAX_BATCH)
-    epochs: int = Field(10, ge=1, le=MAX_COUNT)
-    # A step budget: at most this many batches per epoch (and per validation pass); 0: the
-    # whole split. For logs too large to pass over nightly (benchmarks/scale.py).
-    max_steps_per_epoch: int = Field(0, ge=0, le=MAX_ROWS)
-    # lazy_adam: Adam whose embedding-table steps touch only the batch's rows (per-step cost
-    # independent of the vocabulary; recsys/training/lazy_adam.py); adam: tf_keras Adam,
-    # which updates every row of every table each step.
-    optimizer: Literal["adagrad", "adam", "lazy_adam"] = "lazy_adam"
-    learning_rate: float = Field(0.01, gt=0, le=100)
-    # constant: learning_rate throughout. cosine: decays from learning_rate to 0 along a half
-    # cosine over `epochs` epochs of each fit (a refit that stops earlier keeps its first
-    # epochs' rates), so the weights the fit ends on are not a large step's last jump.
-    # auto: cosine on dense logs (more events per user than model.history_length), constant
-    # otherwise (recsys/model/defaults.py; measured in docs/TRAINING.md).
-    learning_rate_schedule: Literal["auto", "constant", "cosine"] = "constant"
-    shuffle_buffer: int = Field(100_000, ge=1, le=MAX_ROWS)
-    # Keep the parsed, id-looked-up split in memory after one read and reshuffle it whole every
-    # epoch (no gzip re-read, no shuffle-buffer refill). auto: when it is estimated under
-    # 1 GiB and one worker trains; memory: always; none: stream the TFRecords every epoch.
-    cache: Literal["auto", "memory", "none"] = "auto"
-    # XLA-compile the train step. auto: on with one GPU (numeric towers, ids looked up in
-    # tf.data); off on CPU, where the blocked in-batch softmax (recsys/losses.py) is faster,
-    # and under several replicas, where the all_gather runs outside XLA.
-    jit_compile: Literal["auto", "on", "off"] = "auto"
-    # Train steps per tf.function call (fewer Python round trips; callbacks see every Nth).
-    steps_per_execution: int = Field(1, ge=1, le=MAX_COUNT)
-    seed: int = Field(42, ge=0, le=MAX_SEED)
-    # Same seed, same data order and weights (tf.data determinism + op determinism; slower).
-    deterministic: bool = False
-    # auto: multi_worker when TF_CONFIG names several workers, mirrored on several GPUs,
-    # else one_device (docs/TRAINING.md).
-    # parameter_server: TF_CONFIG names a chief, workers and ps tasks; variables of at least
-    # ps_min_shard_bytes are split over the ps tasks (docs/TRAINING.md "Parameter servers").
-    strategy: Literal["auto", "one_device", "mirrored", "multi_worker", "parameter_server"] = "auto"
-    ps_min_shard_bytes: int = Field(256 << 10, ge=1)
-    # auto: mixed_float16 on GPUs with compute capability >= 7.0, else float32.
-    precision: Literal["auto", "float32", "mixed_bfloat16", "mixed_float16"] = "auto"
-    gpu_memory_growth: bool = True
-    # Checkpoints for resuming a killed run: every N steps (0: only at epoch end).
-    checkpoint_every_steps: int = Field(0, ge=0, le=MAX_ROWS)
-    # Early stopping on exact validation metrics (0: off); the best epoch's weights are kept.
-    early_stopping_patience: int = Field(0, ge=0, le=MAX_COUNT)
-    # After the first fit chose its epoch count on the validation split, train a fresh model
-    # (same seed) that many epochs on more of the data and serve it (docs/TRAINING.md, "Refit"):
-    # each user's newest interactions then reach the model, which matters most on sparse logs.
-    # validation (or true): on train + validation; that model is also the one evaluated, the
-    # test split stays held out. all: on train + validation + test, every interaction the run
-    # was given; the first fit (train split only) is then the evaluation model, scored by the
-    # evaluate stage and the gate (`<run>/eval_model`), since the served one saw the test
-    # items. off (or false): the first fit is served. A refit costs about a second fit.
-    # continue (training.input sequences): the first fit itself trains on for
-    # refit_continue_epochs more epochs (at a tenth of the learning rate) on the validation
-    # and test positions only (each with the history before it), from its own weights: each
-    # user's newest items reach the served
-    # model for a small part of a fit's cost; the first fit is the evaluation model, as for all.
-    refit: Literal["off", "validation", "all", "continue"] = "off"
-    refit_continue_epochs: int = Field(1, ge=1, le=MAX_COUNT)
-    early_stopping_metric: str = Field("recall_at_50", pattern=r"^(recall|ndcg|mrr)_at_\d+$")
-    # A previous run's model dir (e.g. the champion's): initialise from its weights, rows
-    # mapped by id when the vocabularies changed.
-    warm_start_from: str | None = None
+    batch_size: int = Field(1024, ge=1, le=MAX_BATCH, description="Examples per step.")
+    epochs: int = Field(
+        10,
+        ge=1,
+        le=MAX_COUNT,
+        description="Passes over the train split (early stopping may end sooner).",
+    )
+    max_steps_per_epoch: int = Field(
+        0,
+        ge=0,
+        le=MAX_ROWS,
+        description="A step budget: at most this many batches per epoch (and per validation "
+        "pass); 0: the whole split. For logs too large to pass over nightly.",
+    )
+    optimizer: Literal["adagrad", "adam", "lazy_adam"] = Field(
+        "lazy_adam",
+        description="lazy_adam: Adam whose embedding-table steps touch only the batch's rows "
+        "(per-step cost independent of the vocabulary); adam: tf_keras Adam, which updates "
+        "every row of every table each step.",
+    )
+    learning_rate: float = Field(0.01, gt=0, le=100, description="The optimizer's step size.")
+    learning_rate_schedule: Literal["auto", "constant", "cosine"] = Field(
+        "auto",
+        description="constant: learning_rate throughout. cosine: decays from learning_rate to "
+        "0 along a half cosine over `epochs` epochs of each fit (a refit that stops earlier "
+        "keeps its first epochs' rates). auto: decided by the data (see the auto rules).",
+    )
+    shuffle_buffer: int = Field(
+        100_000, ge=1, le=MAX_ROWS, description="Examples shuffled at once when streaming."
+    )
+    cache: Literal["auto", "memory", "none"] = Field(
+        "auto",
+        description="Keep the parsed, id-looked-up split in memory after one read and reshuffle "
+        "it whole every epoch (memory), or stream the TFRecords every epoch (none). auto: see "
+        "the auto rules.",
+    )
+    jit_compile: Literal["auto", "on", "off"] = Field(
+        "auto",
+        description="XLA-compile the train step. auto: decided by the devices (see the auto "
+        "rules).",
+    )
+    steps_per_execution: int = Field(
+        1,
+        ge=1,
+        le=MAX_COUNT,
+        description="Train steps per tf.function call (fewer Python round trips; callbacks see "
+        "every Nth).",
+    )
+    seed: int = Field(42, ge=0, le=MAX_SEED, description="Seed of weights and data order.")
+    deterministic: bool = Field(
+        False,
+        description="Same seed, same data order and weights (tf.data and op determinism; slower).",
+    )
+    strategy: Literal["auto", "one_device", "mirrored", "multi_worker", "parameter_server"] = Field(
+        "auto",
+        description="The device layout (docs/TRAINING.md). parameter_server: TF_CONFIG "
+        "names a chief, workers and ps tasks; variables of at least ps_min_shard_bytes are "
+        "split over the ps tasks. auto: see the auto rules.",
+    )
+    ps_min_shard_bytes: int = Field(
+        256 << 10, ge=1, description="parameter_server: variables this large are split."
+    )
+    precision: Literal["auto", "float32", "mixed_bfloat16", "mixed_float16"] = Field(
+        "auto", description="Floating-point policy of the towers. auto: see the auto rules."
+    )
+    gpu_memory_growth: bool = Field(
+        True, description="Allocate GPU memory as needed, not the whole card at start."
+    )
+    checkpoint_every_steps: int = Field(
+        0,
+        ge=0,
+        le=MAX_ROWS,
+        description="Checkpoints for resuming a killed run: every N steps (0: at each epoch's "
+        "end only).",
+    )
+    early_stopping_patience: int = Field(
+        2,
+        ge=0,
+        le=MAX_COUNT,
+        description="Stop after this many epochs without a gain in early_stopping_metric on "
+        "the validation split and keep the best epoch's weights (0: off).",
+    )
+    refit: Literal["off", "validation", "all", "continue"] = Field(
+        "all",
+        description="After the first fit chose its epoch count on the validation split, train "
+        "a fresh model (same seed) that many epochs on more of the data and serve it, so each "
+        "user's newest events reach the model. validation (or true): on train + validation; "
+        "that model is also the one evaluated. all: on train + validation + test; the first "
+        "fit is then the evaluation model (<run>/eval_model), scored by the evaluate stage "
+        "and the gate. continue (training.input sequences): the first fit itself trains on for "
+        "refit_continue_epochs more epochs (at a tenth of the learning rate) on the "
+        "validation and test positions only (each with the history before it), from its own "
+        "weights; the first fit is the evaluation model, as for all. off (or false): the "
+        "first fit is served. A refit (all, validation) costs about a second fit.",
+    )
+    refit_continue_epochs: int = Field(
+        1, ge=1, le=MAX_COUNT, description="refit continue: the epochs of the continued fit."
+    )
+    early_stopping_metric: str = Field(
+        "recall_at_50",
+        pattern=r"^(recall|ndcg|mrr)_at_\d+$",
+        description="Exact validation metric that early stopping watches.",
+    )
+    warm_start_from: str | None = Field(
+        None,
+        description="A previous run's model folder (e.g. the champion's): start from its "
+        "weights, rows mapped by id when the vocabularies changed.",
+    )
 
     @field_validator("warm_start_from")
     @classmethod
@@ -473,16 +661,26 @@ class TrainingConfig(_Strict):
 class EvaluationConfig(_Strict):
     """Exact top-K evaluation over the whole catalog."""
 
-    ks: list[Annotated[int, Field(le=MAX_K)]] = Field([10, 50, 100], max_length=100)
-    ndcg_k: int = Field(10, ge=1, le=MAX_K)
-    mrr_k: int = Field(100, ge=1, le=MAX_K)
-    coverage_k: int = Field(10, ge=0, le=MAX_K)  # 0: no coverage metric
-    user_batch_size: int = Field(512, ge=1, le=MAX_BATCH)
-    # Evaluate a uniform sample of this many test users (0: all of them; exact ranking either
-    # way). For catalogs x users too large to rank nightly; metrics.json then reports each
-    # metric's 95% interval for the whole test population (recsys/evaluation.py).
-    sample_users: int = Field(0, ge=0, le=MAX_ROWS)
-    sample_seed: int = Field(0, ge=0, le=MAX_SEED)
+    ks: list[Annotated[int, Field(le=MAX_K)]] = Field(
+        [10, 50, 100], max_length=100, description="Cut-offs of recall@K (sorted, unique)."
+    )
+    ndcg_k: int = Field(10, ge=1, le=MAX_K, description="Cut-off of NDCG.")
+    mrr_k: int = Field(100, ge=1, le=MAX_K, description="Cut-off of MRR.")
+    coverage_k: int = Field(
+        10, ge=0, le=MAX_K, description="Catalog coverage of the top-K lists (0: not computed)."
+    )
+    user_batch_size: int = Field(
+        512, ge=1, le=MAX_BATCH, description="Users scored against the catalog at once."
+    )
+    sample_users: int = Field(
+        0,
+        ge=0,
+        le=MAX_ROWS,
+        description="Evaluate a uniform sample of this many test users (0: all; exact ranking "
+        "either way); metrics.json then reports each metric's 95% interval for the whole test "
+        "population.",
+    )
+    sample_seed: int = Field(0, ge=0, le=MAX_SEED, description="Seed of the user sample.")
 
     @field_validator("ks")
     @classmethod
@@ -495,11 +693,18 @@ class EvaluationConfig(_Strict):
 class TrackingConfig(_Strict):
     """MLflow tracking; an empty uri means a SQLite store under the working directory."""
 
-    uri: str | None = None
-    experiment: str | None = None
-    # Reachability probe of a tracking server before logging: attempts, first wait (doubles).
-    retries: int = Field(4, ge=1, le=100)
-    backoff_seconds: float = Field(1.0, ge=0, le=3600)
+    uri: str | None = Field(
+        None,
+        description="Tracking server or store; null: MLFLOW_TRACKING_URI, else a SQLite store "
+        "under the working directory.",
+    )
+    experiment: str | None = Field(None, description="MLflow experiment; null: the model_name.")
+    retries: int = Field(
+        4, ge=1, le=100, description="Attempts to reach a tracking server before logging."
+    )
+    backoff_seconds: float = Field(
+        1.0, ge=0, le=3600, description="First wait between attempts (doubles each time)."
+    )
 
     @field_validator("experiment")
     @classmethod
@@ -510,14 +715,27 @@ class TrackingConfig(_Strict):
 class GateConfig(_Strict):
     """Champion/challenger gate: promote only on a confident improvement without regressions."""
 
-    primary_metric: str = "recall_at_50"
-    # The challenger's mean per-user gain must be at least this AND its CI lower bound above 0.
-    min_delta: float = Field(0.0, ge=0, le=1)
-    confidence: float = Field(0.95, gt=0.5, lt=1)
-    bootstrap_samples: int = Field(2000, ge=100, le=1_000_000)
-    seed: int = Field(0, ge=0, le=MAX_SEED)
-    # metric -> largest tolerated drop (absolute, challenger minus champion).
-    guardrails: dict[str, float] = {"ndcg_at_10": 0.01, "coverage_at_10": 0.05}
+    primary_metric: str = Field(
+        "recall_at_50", description="The per-user test metric the challenger must improve."
+    )
+    min_delta: float = Field(
+        0.0,
+        ge=0,
+        le=1,
+        description="The challenger's mean per-user gain must be at least this AND its "
+        "confidence interval's lower bound above 0.",
+    )
+    confidence: float = Field(
+        0.95, gt=0.5, lt=1, description="Confidence level of the bootstrap interval."
+    )
+    bootstrap_samples: int = Field(
+        2000, ge=100, le=1_000_000, description="Bootstrap resamples of the users."
+    )
+    seed: int = Field(0, ge=0, le=MAX_SEED, description="Seed of the bootstrap.")
+    guardrails: dict[str, float] = Field(
+        {"ndcg_at_10": 0.01, "coverage_at_10": 0.05},
+        description="Metric -> largest tolerated drop (absolute, challenger minus champion).",
+    )
 
     @field_validator("guardrails")
     @classmethod
@@ -531,32 +749,63 @@ class GateConfig(_Strict):
 class ExportConfig(_Strict):
     """SavedModel and embedding export (docs/SERVING.md)."""
 
-    # The largest k a retrieval request may ask for (larger requests are clipped in the graph).
-    top_k: int = Field(100, ge=1, le=MAX_K)
-    verify: bool = True
-    tolerance: float = Field(1e-5, gt=0, le=1)
-    # TF Serving warmup requests in each SavedModel's assets.extra/.
-    warmup: bool = True
-    # Versions kept per model (and embeddings); the champion/challenger ones are never pruned.
-    keep_versions: int = Field(5, ge=1, le=MAX_COUNT)
-    # models.config base_path prefix as TF Serving sees the export folder (e.g. "/models" in the
-    # container); empty: this machine's absolute paths.
-    serving_base_path: str | None = None
-    # Optional approximate index over items.parquet (brute force stays the default and the
-    # retrieval SavedModel is always exact): faiss IVF-Flat with inner product.
-    ann: Literal["none", "faiss"] = "none"
-    ann_nlist: int | None = Field(None, ge=1, le=MAX_ROWS)
-    ann_nprobe: int = Field(16, ge=1, le=MAX_ROWS)
-    ann_recall_k: int = Field(100, ge=1, le=MAX_K)
+    top_k: int = Field(
+        100,
+        ge=1,
+        le=MAX_K,
+        description="The largest k a retrieval request may ask for (larger requests are "
+        "clipped in the graph).",
+    )
+    verify: bool = Field(
+        True, description="Reload the exports in a fresh process and compare their outputs."
+    )
+    tolerance: float = Field(
+        1e-5, gt=0, le=1, description="verify: largest tolerated score difference."
+    )
+    warmup: bool = Field(
+        True, description="Write TF Serving warmup requests in each SavedModel's assets.extra/."
+    )
+    keep_versions: int = Field(
+        5,
+        ge=1,
+        le=MAX_COUNT,
+        description="Versions kept per model (and embeddings); the champion's and the "
+        "challenger's are never pruned.",
+    )
+    serving_base_path: str | None = Field(
+        None,
+        description="models.config base_path prefix as TF Serving sees the export folder (e.g. "
+        "/models in the container); null: this machine's absolute paths.",
+    )
+    ann: Literal["none", "faiss"] = Field(
+        "none",
+        description="An optional approximate index over items.parquet: faiss IVF-Flat with "
+        "inner product (brute force stays the default; the retrieval SavedModel is exact).",
+    )
+    ann_nlist: int | None = Field(
+        None, ge=1, le=MAX_ROWS, description="faiss: inverted lists; null: from the catalog size."
+    )
+    ann_nprobe: int = Field(16, ge=1, le=MAX_ROWS, description="faiss: lists probed per query.")
+    ann_recall_k: int = Field(
+        100, ge=1, le=MAX_K, description="faiss: k of the recall recorded in the manifest."
+    )
 
 
 class NightlyConfig(_Strict):
     """Scheduling and retention of `recsys nightly` / `recsys backfill`."""
 
-    # The default --date is yesterday in this IANA time zone (the business day that ended).
-    timezone: str = "UTC"
-    # Keep data/ and runs/ of the newest N dates (never the champion's); None keeps all.
-    keep_days: int | None = Field(None, ge=1, le=36_500)
+    timezone: str = Field(
+        "UTC",
+        description="The default --date is yesterday in this IANA time zone (the business day "
+        "that ended).",
+    )
+    keep_days: int | None = Field(
+        None,
+        ge=1,
+        le=36_500,
+        description="Keep data/ and runs/ of the newest N dates (never the champion's); null: "
+        "keep all.",
+    )
 
     @field_validator("timezone")
     @classmethod
@@ -581,7 +830,7 @@ DEFAULT_TUNE_SPACE: dict[str, dict[str, Any]] = {
     # want more dropout than dense ones (SASRec: .5 vs .2).
     "model.encoder_layers": {"choices": [1, 2, 3]},
     "model.encoder_dropout": {"low": 0.1, "high": 0.6},
-    # A per-user table helps dense logs and overfits sparse ones (recsys.model.defaults).
+    # A per-user table helps dense logs and overfits sparse ones (recsys.core.auto).
     "model.user_embedding": {"choices": [True, False]},
     "training.learning_rate": {"low": 0.001, "high": 0.03, "log": True},
     "training.batch_size": {"choices": [256, 512, 1024, 2048]},
@@ -597,11 +846,13 @@ class SearchDimension(_Strict):
     floats; `log: true` samples uniformly in log space (learning rates, temperatures).
     """
 
-    choices: list[bool | int | float | str] | None = None
-    low: int | float | None = None
-    high: int | float | None = None
-    log: bool = False
-    step: int | float | None = None
+    choices: list[bool | int | float | str] | None = Field(
+        None, description="The values to try (instead of low and high)."
+    )
+    low: int | float | None = Field(None, description="Lower end of a range.")
+    high: int | float | None = Field(None, description="Upper end of a range.")
+    log: bool = Field(False, description="Sample the range uniformly in log space.")
+    step: int | float | None = Field(None, description="Grid step of a range (not with log).")
 
     @model_validator(mode="after")
     def _one_kind(self) -> SearchDimension:
@@ -654,38 +905,67 @@ class SearchDimension(_Strict):
 class TuneConfig(_Strict):
     """`recsys tune`: hyper-parameter search on the validation split (never the test split)."""
 
-    # Validation metric maximised; also the early-stopping metric of the trials and of the
-    # written config, so the nightly keeps the epoch the search judged by.
-    metric: str = Field("ndcg_at_10", pattern=r"^(recall|ndcg|mrr)_at_\d+$")
-    # The study's trial budget: trials that ended (complete, pruned, failed) over every run of
-    # the same search, so a resumed search runs only what is left.
-    trials: int = Field(20, ge=1, le=MAX_COUNT)
-    # The study's time budget, counted over every run of the same search (the time its ended
-    # trials ran): no trial starts after it, and the running one stops after its epoch.
-    timeout_seconds: float | None = Field(None, gt=0, le=MAX_SECONDS, allow_inf_nan=False)
-    # Trials run in this many processes at once on the one study (`recsys tune --workers`).
-    workers: int = Field(1, ge=1, le=MAX_WORKERS)
-    # Where the Optuna study lives (an SQLAlchemy URL: sqlite:///... or postgresql://...);
-    # unset: OPTUNA_STORAGE, else the tracking store's PostgreSQL database when tracking.uri
-    # is one, else <workdir>/tune/optuna.db. Credentials belong in OPTUNA_STORAGE, not here.
-    storage: str | None = None
-    # median: stop a trial whose validation metric after an epoch is below the median of the
-    # earlier trials at that epoch (Optuna MedianPruner); none: every trial runs to the end.
-    pruner: Literal["median", "none"] = "median"
-    # Trials never pruned (the median needs some), and epochs of a trial before it may be.
-    startup_trials: int = Field(3, ge=0, le=MAX_COUNT)
-    warmup_epochs: int = Field(1, ge=0, le=MAX_COUNT)
-    seed: int = Field(0, ge=0, le=MAX_SEED)
-    # Trial 0 trains the base config's own settings (Optuna's enqueue_trial), so the winner is
-    # measured against them on the same validation item; skipped (logged) when one of them
-    # is not in `space`.
-    baseline: bool = True
-    # Dotted config key (model.* or training.*) -> its search range; new settings of the model
-    # become searchable by adding an entry.
+    metric: str = Field(
+        "ndcg_at_10",
+        pattern=r"^(recall|ndcg|mrr)_at_\d+$",
+        description="Validation metric maximised; also the early-stopping metric of the trials "
+        "and of the written config, so the nightly keeps the epoch the search judged by.",
+    )
+    trials: int = Field(
+        20,
+        ge=1,
+        le=MAX_COUNT,
+        description="The study's trial budget: trials that ended (complete, pruned, failed) "
+        "over every run of the same search, so a resumed search runs only what is left.",
+    )
+    timeout_seconds: float | None = Field(
+        None,
+        gt=0,
+        le=MAX_SECONDS,
+        allow_inf_nan=False,
+        description="The study's time budget, counted over every run of the same search (the "
+        "time its ended trials ran): no trial starts after it, and the running one stops "
+        "after its epoch; null: none.",
+    )
+    workers: int = Field(
+        1,
+        ge=1,
+        le=MAX_WORKERS,
+        description="Trials run in this many processes at once on the one study "
+        "(`recsys tune --workers`).",
+    )
+    storage: str | None = Field(
+        None,
+        description="Where the Optuna study lives (an SQLAlchemy URL: sqlite:///... or "
+        "postgresql://...); unset: OPTUNA_STORAGE, else the tracking store's PostgreSQL "
+        "database when tracking.uri is one, else <workdir>/tune/optuna.db. Credentials belong "
+        "in OPTUNA_STORAGE, not here.",
+    )
+    pruner: Literal["median", "none"] = Field(
+        "median",
+        description="median: stop a trial whose validation metric after an epoch is below the "
+        "median of the earlier trials at that epoch (Optuna MedianPruner); none: every trial "
+        "runs to the end.",
+    )
+    startup_trials: int = Field(
+        3, ge=0, le=MAX_COUNT, description="Trials never pruned (the median needs some)."
+    )
+    warmup_epochs: int = Field(
+        1, ge=0, le=MAX_COUNT, description="Epochs of a trial before it may be pruned."
+    )
+    seed: int = Field(0, ge=0, le=MAX_SEED, description="Seed of the sampler.")
+    baseline: bool = Field(
+        True,
+        description="Trial 0 trains the base config's own settings, so the winner is measured "
+        "against them on the same validation items; skipped (logged) when one of them is not "
+        "in space.",
+    )
     space: dict[str, SearchDimension] = Field(
         default_factory=lambda: {
             k: SearchDimension.model_validate(v) for k, v in DEFAULT_TUNE_SPACE.items()
-        }
+        },
+        description="Dotted key (model.* or training.*) -> its search range; a new setting of "
+        "the model becomes searchable by adding an entry.",
     )
 
     @field_validator("storage")
@@ -713,31 +993,47 @@ def check_study_storage(url: str) -> str:
 class DataShapeRule(_Strict):
     """Settings that apply only to logs whose users average at least `min_events_per_user`.
 
-    `settings` are dotted model.* / training.* keys, as in `tune.space`. The log's shape is
-    known once the Beam job has written stats.json, so the rule is applied at train time
-    (recsys.model.defaults.apply_dense_log, logged and written to the run's train.json).
+    The log's shape is known once the Beam job has written stats.json, so the rule is applied
+    at train time, before the `auto` settings are decided (recsys.core.resolve; logged and
+    recorded in the run's resolved_config.yaml and train.json).
     """
 
-    min_events_per_user: float = Field(gt=0, le=MAX_ROWS)
-    settings: dict[str, bool | int | float | str] = Field(min_length=1, max_length=64)
+    min_events_per_user: float = Field(
+        gt=0, le=MAX_ROWS, description="Mean events per user (all splits) from which it applies."
+    )
+    settings: dict[str, bool | int | float | str] = Field(
+        min_length=1,
+        max_length=64,
+        description="Dotted model.* / training.* keys and their values, as in tune.space.",
+    )
 
 
 class RecsysConfig(_Strict):
     """The whole configuration of one nightly run."""
 
-    model_name: str = "recsys-default"
-    data: DataConfig = DataConfig()
-    preprocess: PreprocessConfig = PreprocessConfig()
-    model: ModelConfig = ModelConfig()
-    training: TrainingConfig = TrainingConfig()
-    evaluation: EvaluationConfig = EvaluationConfig()
-    tracking: TrackingConfig = TrackingConfig()
-    export: ExportConfig = ExportConfig()
-    gate: GateConfig = GateConfig()
-    nightly: NightlyConfig = NightlyConfig()
-    tune: TuneConfig = TuneConfig()
-    # Settings for dense logs (many events per user); none: one set of settings for every log.
-    dense_log: DataShapeRule | None = None
+    model_name: str = Field(
+        "recsys-default",
+        description="Name of the model: its MLflow registered model, experiment (unless "
+        "tracking.experiment) and export folder.",
+    )
+    data: DataConfig = Field(DataConfig(), description="The raw log.")
+    preprocess: PreprocessConfig = Field(PreprocessConfig(), description="The Beam job.")
+    model: ModelConfig = Field(ModelConfig(), description="The two-tower model.")
+    training: TrainingConfig = Field(TrainingConfig(), description="Its training.")
+    evaluation: EvaluationConfig = Field(EvaluationConfig(), description="Exact evaluation.")
+    tracking: TrackingConfig = Field(TrackingConfig(), description="MLflow.")
+    export: ExportConfig = Field(ExportConfig(), description="SavedModels and embeddings.")
+    gate: GateConfig = Field(GateConfig(), description="The champion/challenger gate.")
+    nightly: NightlyConfig = Field(NightlyConfig(), description="Scheduling and retention.")
+    tune: TuneConfig = Field(TuneConfig(), description="`recsys tune` (changes no nightly run).")
+    dense_log: DataShapeRule | None = Field(
+        None,
+        description="Settings for dense logs (many events per user); null: one set of "
+        "settings for every log.",
+    )
+
+    # Dotted keys set after loading (`--set`, a tuning trial): their source is `override`.
+    _overrides: frozenset[str] = PrivateAttr(default_factory=frozenset)
 
     @field_validator("model_name")
     @classmethod
@@ -779,6 +1075,11 @@ class RecsysConfig(_Strict):
         except ValidationError as exc:
             reason = exc.errors()[0]["msg"]
             raise ValueError(f"{where} {key}: value {value!r} is invalid: {reason}") from None
+
+    @property
+    def overrides(self) -> frozenset[str]:
+        """Dotted keys that set_values set after the config was loaded."""
+        return self._overrides
 
     def flat(self) -> dict[str, Any]:
         """The config as dotted keys (MLflow params), without `tune` (it changes no run)."""
@@ -825,10 +1126,9 @@ def _flatten(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
 
 
 def load_config(path: str | Path | None = None) -> RecsysConfig:
-    """Load and validate a YAML config; None means configs/default.yaml (or built-in defaults)."""
+    """Load and validate a YAML config; None means the built-in defaults (docs/CONFIG.md)."""
     if path is None:
-        default = REPO_CONFIGS / "default.yaml"
-        return load_config(default) if default.exists() else RecsysConfig()
+        return RecsysConfig()
     path = Path(path)
     if not path.is_file():
         raise ConfigError(f"config file not found: {path}")
@@ -870,12 +1170,20 @@ def _depth(value: Any, limit: int = MAX_CONFIG_DEPTH + 1) -> int:
     return 1 + max((_depth(child, limit - 1) for child in children), default=0)
 
 
-def set_values(config: RecsysConfig, values: dict[str, Any]) -> RecsysConfig:
-    """A validated copy of `config` with dotted keys set (e.g. {"model.embedding_dim": 32})."""
-    raw = config.model_dump(mode="json")
+def set_values(
+    config: RecsysConfig, values: Mapping[str, Any], override: bool = True
+) -> RecsysConfig:
+    """A validated copy of `config` with dotted keys set (e.g. {"model.embedding_dim": 32}).
+
+    The keys are recorded as overrides (RecsysConfig.overrides) unless `override` is false;
+    the settings the config had set stay set, so each value's origin is still known.
+    """
+    raw = config.model_dump(mode="json", exclude_unset=True)
     for key, value in values.items():
         set_dotted(raw, key, value)
-    return parse_config(raw, source="settings " + ", ".join(sorted(values)))
+    updated = parse_config(raw, source="settings " + ", ".join(sorted(values)))
+    updated._overrides = config.overrides | (frozenset(values) if override else frozenset())
+    return updated
 
 
 def set_dotted(tree: dict[str, Any], key: str, value: Any) -> None:

@@ -6,7 +6,8 @@
                                            sequences-*.tfrecord.gz (one record per user),
                                            vocab/{users,items}.txt, item_features.parquet,
                                            stats.json, rejected/*.jsonl, _SUCCESS (last)
-<workdir>/runs/<date>/<run_id>/            model/ (weights + model.json), metrics.json,
+<workdir>/runs/<date>/<run_id>/            model/ (weights + model.json), config.yaml,
+                                           resolved_config.yaml, train.json, metrics.json,
                                            per_user_eval.parquet, history.json, _SUCCESS
 <workdir>/export/<name>/<version>/         TF Serving SavedModels: query/, candidate/, retrieval/
 <workdir>/export/models.config             TF Serving model_config_list (champion/challenger)
@@ -73,7 +74,9 @@ class RunFile(StrEnum):
     # Only with training.refit all: the first fit (never trained on the test split), which the
     # evaluate stage and the gate score; `model` (trained on every split) is the one served.
     EVAL_MODEL = "eval_model"
-    CONFIG = "config.yaml"
+    CONFIG = "config.yaml"  # the config as given (`auto` stays auto; its digest names the run)
+    # Every setting as trained, with where its value came from (recsys.core.resolve).
+    RESOLVED_CONFIG = "resolved_config.yaml"
     HISTORY = "history.json"
     TRAIN = "train.json"
     METRICS = "metrics.json"

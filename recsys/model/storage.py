@@ -32,10 +32,12 @@ ADDED_OFF = {
     "query_encoder": "mean",
     "negatives": "in_batch",
     "encoder_positions": "absolute",
+    "user_embedding": True,
 }
 """ModelConfig keys added after the first saved models, with the value that means 'absent'
 (models saved before `normalize` existed were always normalised, before `query_encoder`
-mean-pooled their histories)."""
+mean-pooled their histories, before `user_embedding` had a per-user table). Not the current
+defaults, which may differ: an old model must rebuild as it was trained."""
 
 
 def write_model(

@@ -107,10 +107,12 @@ def log_nightly_run(
     tags: dict[str, str] | None = None,
     dataset_source: str | None = None,
     tracking_uri: str | None = None,
+    params: Mapping[str, Any] | None = None,
 ) -> str:
     """Record one nightly run in MLflow and return the MLflow run id (idempotent).
 
-    Params are the flattened config; `history` gives per-epoch metrics (step = 0-based epoch);
+    Params are `params` (the run's resolved settings: recsys.core.resolve.mlflow_params),
+    else the flattened config; `history` gives per-epoch metrics (step = 0-based epoch);
     `metrics` the final values; `artifacts` are files or folders; `stats` is also stored as
     stats.json; `dataset_source` (the data folder) is recorded as an MLflow dataset input whose
     digest is the data fingerprint. A run with the same date, config digest and data fingerprint
@@ -119,7 +121,8 @@ def log_nightly_run(
     """
     uri = tracking_uri or resolve_tracking_uri(config, workdir)
     run_tags = nightly_run_tags(config, run_date, stats, tags or {})
-    params = [Param(k, _param_value(v, k)) for k, v in config.flat().items()]
+    values = config.flat() if params is None else params
+    param_list = [Param(k, _param_value(v, k)) for k, v in values.items()]
     metric_list = _metric_list(history, metrics)
     _check_artifacts(artifacts)
     experiment = experiment_name(config)
@@ -131,7 +134,7 @@ def log_nightly_run(
             if logged:
                 return run_id  # already complete: a rerun changes nothing
             _record_run(
-                client, run_id, run_tags, params, metric_list, stats, artifacts,
+                client, run_id, run_tags, param_list, metric_list, stats, artifacts,
                 _dataset_input(dataset_source, run_tags["data_fingerprint"]),
             )  # fmt: skip
             return run_id

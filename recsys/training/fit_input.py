@@ -20,6 +20,7 @@ from pathlib import Path
 
 import tensorflow as tf
 
+from recsys.core.auto import AUTO_CACHE_BYTES
 from recsys.core.config import RecsysConfig, TrainingConfig
 from recsys.core.errors import ConfigError
 from recsys.model import TrainedModel
@@ -36,9 +37,6 @@ from recsys.training.windows import (
 )
 
 log = logging.getLogger(__name__)
-
-AUTO_CACHE_BYTES = 1 << 30
-"""`training.cache: auto` keeps splits in memory up to this size (estimated, see dataset.py)."""
 
 Datasets = tuple[
     tf.data.Dataset | tf.keras.utils.experimental.DatasetCreator, tf.data.Dataset | None

@@ -23,10 +23,11 @@ import itertools
 import os
 from pathlib import Path
 
+from recsys.core.auto import DataShape
+from recsys.core.auto import negatives as auto_negatives
 from recsys.core.config import RecsysConfig
 from recsys.core.errors import ConfigError
 from recsys.losses import BLOCK_ROWS
-from recsys.model.defaults import DataShape, resolve
 
 FLOAT = 4  # bytes of float32
 GIB = 1 << 30
@@ -48,7 +49,7 @@ def estimate(config: RecsysConfig, users: int, items: int, examples: int) -> dic
     tables = (user_rows + (items + m.oov_buckets)) * d + dense
     slots = 1 if t.optimizer == "adagrad" else 2
     batch = max(1, min(t.batch_size, examples or t.batch_size))
-    negatives = resolve(m, DataShape(items, 0.0))[0].negatives
+    negatives = auto_negatives(DataShape(items, 0.0))[0] if m.negatives == "auto" else m.negatives
     columns = {"full": items, "mixed": batch + m.sampled_negatives}.get(negatives, batch)
     blocked = m.num_hard_negatives is None and negatives == "in_batch"
     rows = min(batch, BLOCK_ROWS) if blocked else batch

@@ -14,6 +14,7 @@ import os
 import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from recsys.core.layout import TEMP_PREFIXES
 from recsys.model import TrainedModel
@@ -56,6 +57,8 @@ class TrainResult:
     evaluation_model: TrainedModel | None = None
     # The config's `dense_log` settings this run trained with (empty: the log was not dense).
     dense_log_settings: dict[str, bool | int | float | str] = field(default_factory=dict)
+    # Every setting this run trained with and its origin (recsys.core.resolve.Setting.record).
+    resolved: dict[str, dict[str, Any]] = field(default_factory=dict)
 
     @property
     def examples_per_second(self) -> float:

@@ -21,9 +21,11 @@ from typing import Any
 
 import tensorflow as tf
 
-from recsys.core.config import ModelConfig, RecsysConfig, TrainingConfig, set_values
+from recsys.core.auto import DeviceFacts
+from recsys.core.config import RecsysConfig, TrainingConfig, set_values
 from recsys.core.errors import ConfigError, OutOfMemoryError, StorageError, storage_errno
 from recsys.core.layout import DataFile
+from recsys.core.resolve import resolve_config
 from recsys.model import (
     ItemFeatures,
     TrainedModel,
@@ -32,7 +34,6 @@ from recsys.model import (
     read_vocab,
     warm_start,
 )
-from recsys.model.defaults import DataShape, apply_dense_log, resolve, resolve_schedule
 from recsys.training.dataset import item_log_probabilities
 from recsys.training.fit_input import FitPlan, capped_steps, plan_fit, use_cache
 from recsys.training.keras_backup_adapter import BackupEveryStepsAndEpoch
@@ -147,17 +148,18 @@ def configure_gpus(memory_growth: bool) -> list[tf.config.PhysicalDevice]:
     return gpus
 
 
-def resolve_precision(precision: str, gpus: list[tf.config.PhysicalDevice]) -> str:
-    """`auto`: mixed_float16 when every GPU has compute capability >= 7.0, else float32."""
-    if precision != "auto":
-        return precision
-    if not gpus:
-        return "float32"  # bf16 brought no speed on CPU (dims 32-64); fp16 is emulated there.
-    capabilities = [
-        tf.config.experimental.get_device_details(gpu).get("compute_capability", (0, 0))
-        for gpu in gpus
-    ]
-    return "mixed_float16" if all(c >= (7, 0) for c in capabilities) else "float32"
+def device_facts(
+    strategy: tf.distribute.Strategy, gpus: list[tf.config.PhysicalDevice]
+) -> DeviceFacts:
+    """What the device `auto` rules (recsys.core.auto) look at, as found in this process."""
+    details = [tf.config.experimental.get_device_details(gpu) for gpu in gpus]
+    capabilities = [d.get("compute_capability", (0, 0)) for d in details]
+    return DeviceFacts(
+        strategy=_strategy_name(strategy),
+        replicas=strategy.num_replicas_in_sync,
+        gpu_capabilities=tuple((int(c[0]), int(c[1])) for c in capabilities),
+        tf_config_workers=tf_config_workers(),
+    )
 
 
 def tf_config_workers() -> int:
@@ -248,7 +250,7 @@ def build_model(
     user_features = UserFeatures()
     if config.model.user_features:
         user_features = UserFeatures.from_parquet(data_dir / "user_features.parquet", users)
-    model_config = resolved_model_config(config, data_dir)
+    model_config = config.model  # `auto` settings resolved by train()
     tf.keras.mixed_precision.set_global_policy(precision)
     try:
         trained = TrainedModel.build(users, items, model_config, features, user_features)
@@ -271,33 +273,15 @@ def build_model(
     return trained, model
 
 
-def resolved_model_config(config: RecsysConfig, data_dir: Path) -> ModelConfig:
-    """`config.model` with its `auto` settings resolved from the data's stats.json (logged)."""
-    stats = json.loads((data_dir / DataFile.STATS).read_text())
-    shape = DataShape.from_stats(stats)
-    model_config, reasons = resolve(config.model, shape)
-    for reason in reasons:
-        log.info("model auto setting: %s", reason)
-    return model_config
-
-
-def use_jit(setting: str, replicas: int, gpus: int = 0, source: str = "rows") -> bool:
-    """`training.jit_compile`: auto compiles the step with XLA on one GPU, per-row input only.
-
-    On CPU the uncompiled step is faster: it computes the in-batch softmax in cache-sized row
-    blocks (recsys/losses.py), a loop XLA cannot compile; XLA's fused TFRS task measured
-    1.6-2x slower per step (docs/BENCHMARKS.md). Several replicas: the all_gather stays
-    outside XLA. Sequence windows gather their trained positions (a shape known only at run
-    time), which XLA cannot compile either.
-    """
-    if setting == "on" and source == "sequences":
+def use_jit(training: TrainingConfig) -> bool:
+    """`training.jit_compile` as resolved (recsys.core.auto.jit_compile says why auto is off
+    on CPU and for sequence input); `on` with sequence input is a config error."""
+    if training.jit_compile == "on" and training.input == "sequences":
         raise ConfigError(
             "training.jit_compile on needs training.input rows: one-pass sequence training "
             "selects its trained positions at run time, which XLA cannot compile"
         )
-    return setting == "on" or (
-        setting == "auto" and replicas == 1 and gpus > 0 and source == "rows"
-    )
+    return training.jit_compile == "on"
 
 
 @dataclass(frozen=True)
@@ -334,6 +318,11 @@ def train(
     gpus = configure_gpus(tc.gpu_memory_growth)
     # MultiWorkerMirroredStrategy must exist before other TF ops run in the process.
     strategy = make_strategy(tc.strategy, gpus, tc.ps_min_shard_bytes)
+    stats = json.loads((data_dir / DataFile.STATS).read_text())
+    resolved = resolve_config(config, stats, device_facts(strategy, gpus))
+    for note in resolved.notes:
+        log.info("resolved setting: %s", note)
+    config, tc = resolved.config, resolved.config.training
     tf.keras.utils.set_random_seed(tc.seed)
     if tc.deterministic:
         tf.config.experimental.enable_op_determinism()
@@ -342,11 +331,6 @@ def train(
         previous = TrainedModel.load(start.model_dir)
     elif tc.warm_start_from:
         previous = TrainedModel.load(Path(tc.warm_start_from))
-    stats = json.loads((data_dir / DataFile.STATS).read_text())
-    config, dense = _dense_log(config, stats)
-    config, reasons = resolve_schedule(config, DataShape.from_stats(stats))
-    for reason in reasons:
-        log.info("training auto setting: %s", reason)
     check_memory(config, stats["users"], stats["items"], stats["splits"]["train"])
     sequences = None
     if tc.input == "sequences":
@@ -362,8 +346,8 @@ def train(
             )
     setup = _Setup(
         strategy=strategy,
-        precision=resolve_precision(tc.precision, gpus),
-        jit=use_jit(tc.jit_compile, strategy.num_replicas_in_sync, len(gpus), tc.input),
+        precision=tc.precision,
+        jit=use_jit(tc),
         stats=stats,
         previous=previous,
         sequences=sequences,
@@ -383,24 +367,9 @@ def train(
     if refit:
         refit_backup = None if backup_dir is None else backup_dir / REFIT_BACKUP
         result = _refit(config, data_dir, setup, result, extra, refit_backup)
-    result.dense_log_settings = dense
+    result.dense_log_settings = resolved.dense_log_settings
+    result.resolved = resolved.records()
     return result
-
-
-def _dense_log(config: RecsysConfig, stats: dict[str, Any]) -> tuple[RecsysConfig, dict[str, Any]]:
-    """The config the data's shape calls for: `dense_log`'s settings on a dense log (logged)."""
-    shape = DataShape.from_stats(stats)
-    shaped, applied = apply_dense_log(config, shape)
-    if config.dense_log is not None:
-        settings = ", ".join(f"{k}={v}" for k, v in applied.items())
-        log.info(
-            "dense_log: %.1f events/user %s %g: %s",
-            shape.events_per_user,
-            ">=" if applied else "<",
-            config.dense_log.min_events_per_user,
-            settings or "not applied",
-        )
-    return shaped, applied
 
 
 def announce_fit(callbacks: list[tf.keras.callbacks.Callback], fit: str) -> None:
