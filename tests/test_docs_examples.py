@@ -114,13 +114,20 @@ def recsys_commands(block: Block) -> list[list[str]]:
 
 @contextlib.contextmanager
 def working_directory(path: Path) -> Iterator[None]:
-    """Run the block from `path`, as a reader would from the repository root."""
-    before = Path.cwd()
+    """Run the block from `path`, as a reader would from the repository root.
+
+    The environment is put back afterwards: `mlflow.set_tracking_uri` in an example also
+    writes MLFLOW_TRACKING_URI, which recsys reads before its workdir's own store, so the
+    next test's runs would go to the sandbox's.
+    """
+    before, environment = Path.cwd(), dict(os.environ)
     os.chdir(path)
     try:
         yield
     finally:
         os.chdir(before)
+        os.environ.clear()
+        os.environ.update(environment)
 
 
 def tiny_default_config() -> dict[str, object]:

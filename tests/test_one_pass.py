@@ -258,6 +258,7 @@ def test_a_transformer_saved_before_relative_positions_loads_as_it_was_trained(
         history_length=LENGTH,
         embedding_dim=8,
         item_features=False,
+        user_embedding=True,
     )
     model = TrainedModel.build(USERS, ITEMS, config)
     model.save(tmp_path / "old")

@@ -52,6 +52,7 @@ FAIL = {
     5: "exported SavedModel does not match the model",
     7: "out of device memory (lower the batch size)",
     11: "a served model is broken (re-export it)",
+    12: "records that must agree do not (run recsys repair)",
 }
 # Killed by the kernel or the scheduler (OOM killer, eviction): retried, the stage resumes.
 SIGNAL_EXIT = 128
