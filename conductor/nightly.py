@@ -309,6 +309,8 @@ class _Nightly:
         }
         runs = self.workdir.runs(self.date)
         for candidate in sorted(runs.iterdir(), reverse=True) if runs.is_dir() else []:
+            if not candidate.is_dir():  # an operator's note or a download beside the runs
+                continue
             path = candidate / RUN_KEY
             # A fresh run (train redone) may still take a folder whose training never finished.
             trained = stage_info(candidate, "train") is not None

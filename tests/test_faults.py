@@ -165,7 +165,9 @@ def _seeded(root: Path, reference: dict) -> Path:
     return work
 
 
-def test_a_rerun_after_success_does_nothing(reference: dict, server: MlflowServer) -> None:
+def test_a_rerun_after_success_does_nothing(
+    reference: dict, server: MlflowServer, tmp_path: Path
+) -> None:
     assert "already done, nothing to do" in reference["rerun_stdout"]
     assert "preprocess skipped" in reference["rerun_stdout"]
     _assert_one_run_and_version(server, "fault-ref")
@@ -173,9 +175,8 @@ def test_a_rerun_after_success_does_nothing(reference: dict, server: MlflowServe
     assert len(summaries) == 1 and "| publish | ran |" in summaries[0].read_text()
     client = MlflowClient(server.uri)
     run = client.search_runs([client.get_experiment_by_name("fault-ref").experiment_id])[0]
-    logged = Path(
-        client.download_artifacts(run.info.run_id, "summary.md", str(summaries[0].parent.parent))
-    )
+    # Downloaded beside the test, not into the reference workdir other tests copy.
+    logged = Path(client.download_artifacts(run.info.run_id, "summary.md", str(tmp_path)))
     assert logged.read_text() == summaries[0].read_text()
 
 
