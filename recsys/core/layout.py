@@ -351,9 +351,30 @@ class Workdir:
     """Paths of every stage's inputs and outputs under one working directory.
 
     Each path is confined to the working directory (`confine`): none leads outside it.
+    `remote` is set for a working directory in object storage: `root` is then its local copy
+    (recsys.core.mirror), and `public`/`local` translate between the two.
     """
 
     root: Path
+    remote: str | None = None
+
+    def public(self, path: Path | str) -> str:
+        """Where `path` (under root) is for everyone else: its URI in the bucket, or itself."""
+        path = Path(path)
+        if self.remote is None or not path.is_relative_to(self.root):
+            return str(path.resolve()) if self.remote is None else str(path)
+        relative = path.relative_to(self.root).as_posix()
+        return self.remote if relative == "." else f"{self.remote}/{relative}"
+
+    def serving_base(self, configured: str | None) -> str | None:
+        """models.config's base path: export.serving_base_path, else the bucket's export/."""
+        return configured or (f"{self.remote}/export" if self.remote is not None else None)
+
+    def local(self, ref: str) -> Path:
+        """The local path of something `public` named (a URI inside this workdir, or a path)."""
+        if self.remote is not None and (ref == self.remote or ref.startswith(self.remote + "/")):
+            return self.root / ref[len(self.remote) :].lstrip("/")
+        return Path(ref)
 
     def path(self, *parts: str) -> Path:
         """`root/parts...`, refused (ConfigError) if a symbolic link leads outside the root."""
@@ -422,6 +443,30 @@ class Workdir:
 
     def models_config(self) -> Path:
         return self.path("export", WorkdirFile.MODELS_CONFIG)
+
+
+# The folders published whole (locally by one rename, in a bucket with a commit marker):
+# top-level folder -> depth of its version folders, e.g. runs/<date>/<run_id> is 3.
+VERSION_DEPTHS = {"data": 2, "runs": 3, "export": 3, "embeddings": 2, "tune": 3}
+
+
+def version_folder(relative: str) -> str | None:
+    """The version folder (relative, `/`-separated) a workdir file belongs to; None if none.
+
+    `data/<date>`, `runs/<date>/<run_id>`, `export/<model>/<int>`, `embeddings/<int>` and
+    `recsys tune`'s `tune/<date>/data-<digest>`; hidden names (checkpoints, temporaries,
+    `export/.checksums`) are never part of one.
+    """
+    parts = relative.split("/")
+    depth = VERSION_DEPTHS.get(parts[0])
+    if depth is None or len(parts) <= depth or any(p.startswith(".") for p in parts[1:depth]):
+        return None
+    last = parts[depth - 1]
+    if parts[0] in ("export", "embeddings") and not last.isdigit():
+        return None
+    if parts[0] == "tune" and not last.startswith("data-"):
+        return None
+    return "/".join(parts[:depth])
 
 
 def new_run_id(config_digest: str) -> str:
