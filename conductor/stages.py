@@ -86,8 +86,8 @@ def resolve_input(
     synthetic log is generated on first use."""
     config = config.with_input(input_path)
     if config.data.source != "synthetic":
-        path = config.data.path or ""
-        return config, path if storage.is_uri(path) else Path(path)
+        given = config.data.path or ""
+        return config, given if storage.is_uri(given) else Path(given)
     synth = config.data.synthetic
     digest = hashlib.sha256(synth.model_dump_json().encode()).hexdigest()[:12]
     path = workdir.raw() / f"synthetic-{digest}.csv"

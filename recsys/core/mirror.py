@@ -26,6 +26,7 @@ import logging
 import os
 import shutil
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -90,8 +91,11 @@ class Mirror:
     def _pull(self) -> None:
         start = time.perf_counter()
         remote_versions, remote_plain = self._remote()
-        committed = {v: storage.committed(self._uri(v)) for v in remote_versions}
-        committed = {v: listing for v, listing in committed.items() if listing is not None}
+        committed: dict[str, storage.Listing] = {}
+        for version in remote_versions:
+            listing = storage.committed(self._uri(version))
+            if listing is not None:
+                committed[version] = listing
         local_versions, local_plain = self._scan_local()
         for version, listing in committed.items():
             have = self._listing(version, local_versions.get(version, []))
@@ -141,14 +145,8 @@ class Mirror:
             previous = storage.committed(self._uri(version)) if version in remote_versions else None
             if previous == listing:
                 continue
-            # Fault point `storage:uploaded:<data|runs|export|...>` after each uploaded file.
-            point = f"storage:uploaded:{version.split('/')[0]}"
             storage.publish_version(
-                self.local / version,
-                self._uri(version),
-                listing,
-                previous,
-                lambda _name, point=point: fault_point(point),
+                self.local / version, self._uri(version), listing, previous, _fault(version)
             )
             published += 1
         for name in local_plain:
@@ -225,7 +223,7 @@ class Mirror:
     def _synced(self, name: str, remote: Stamp) -> bool:
         """Whether a plain file is unchanged on both sides since it was last pushed or pulled."""
         self._sha(self.local / name)
-        return self._state[name]["remote"] == list(remote)
+        return bool(self._state[name]["remote"] == list(remote))
 
     def _load_state(self) -> dict[str, dict[str, Any]]:
         try:
@@ -239,6 +237,16 @@ class Mirror:
         tmp = self.local / f".tmp-{STATE_FILE}"
         tmp.write_text(json.dumps({"files": self._state}))
         os.replace(tmp, self.local / STATE_FILE)
+
+
+def _fault(version: str) -> Callable[[str], None]:
+    """Fault point `storage:uploaded:<data|runs|export|...>` after each file of a version."""
+    point = f"storage:uploaded:{version.split('/')[0]}"
+
+    def uploaded(name: str) -> None:
+        fault_point(point)
+
+    return uploaded
 
 
 def pull(workdir: Workdir) -> None:

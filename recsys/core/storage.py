@@ -29,7 +29,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
-from typing import IO, Any
+from typing import Any, BinaryIO
 
 from recsys.core.errors import ConfigError, StorageError
 
@@ -159,7 +159,7 @@ def _fs(uri: str) -> tuple[Any, str]:
 # -- plain reads and writes, local or remote --------------------------------------------------
 
 
-def open_input(path: str | os.PathLike[str]) -> IO[bytes]:
+def open_input(path: str | os.PathLike[str]) -> BinaryIO:
     """A buffered, seekable binary file for reading (FileNotFoundError when missing)."""
     if not is_uri(path):
         return open(path, "rb")
@@ -262,7 +262,7 @@ def read_bytes(uri: str) -> bytes | None:
     fs, key = _fs(uri)
     try:
         with fs.open_input_stream(key) as fh:
-            return fh.read()
+            return bytes(fh.read())
     except FileNotFoundError:
         return None
 
@@ -562,5 +562,6 @@ def _gcs_client(emulator: str | None) -> Any:
         # google-cloud-storage reads STORAGE_EMULATOR_HOST itself; it needs no credentials.
         from google.auth.credentials import AnonymousCredentials
 
-        return storage.Client(project="recsys", credentials=AnonymousCredentials())
+        anonymous = AnonymousCredentials()  # type: ignore[no-untyped-call]
+        return storage.Client(project="recsys", credentials=anonymous)
     return storage.Client()
