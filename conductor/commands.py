@@ -63,9 +63,13 @@ def dispatch(args: argparse.Namespace, config: RecsysConfig, date: dt.date) -> i
 
 def _dispatch(args: argparse.Namespace, config: RecsysConfig, date: dt.date) -> int:
     writes = _writes(args)
+    # A non-chief multi-worker `train` writes nothing here, and must not wait for the chief.
+    locked = writes and not (args.command == "train" and _non_chief_worker())
     st = config.storage
     storage.configure(st.s3_endpoint_url, st.s3_region, st.gcs_endpoint)
-    workdir = stages.check_workdir(args.workdir, writable=writes, cache_dir=st.cache_dir)
+    workdir = stages.check_workdir(
+        args.workdir, writable=writes, cache_dir=st.cache_dir, reader=not locked
+    )
     if writes:
         workdir.check_links()  # before anything is written through a link leading outside
     if workdir.remote is not None and (_uses_tracking(args) or args.command in _TRACKED):
@@ -75,23 +79,18 @@ def _dispatch(args: argparse.Namespace, config: RecsysConfig, date: dt.date) -> 
             "TF_CONFIG names this process a non-chief worker: run `recsys nightly` on the "
             "chief only and `recsys train` with the same --config/--date on the other workers"
         )
-    # A non-chief multi-worker `train` writes nothing here, and must not wait for the chief.
-    if (
-        args.command in _WRITERS
-        and writes
-        and not (args.command == "train" and _non_chief_worker())
-    ):
+    if args.command in _WRITERS and locked:
         command = f"recsys {args.command}"
         with WorkdirLock(workdir.root, command=command, remote=workdir.remote):
             if _uses_tracking(args):  # nightly, backfill, sync and repair check their own
                 check_tracking_store(config, workdir.root)
-            mirror.pull(workdir)
+            mirror.pull(workdir)  # a workdir in a bucket: its committed state
             clean_temporaries(workdir.root)  # what a killed command left (as nightly does)
             code = _run_stage(args, config, workdir, date)
             mirror.push(workdir)
             return code
-    if args.command not in ("nightly", "backfill"):
-        mirror.pull(workdir)  # read-only: the committed state, no lock needed
+    if args.command == "train":
+        mirror.pull(workdir)  # a non-chief worker: the committed data, no lock needed
     return _run_stage(args, config, workdir, date)
 
 
@@ -119,6 +118,10 @@ def _check_remote_tracking(config: RecsysConfig, workdir: Workdir) -> None:
     if config.tracking.uri or os.environ.get("MLFLOW_TRACKING_URI"):
         return
     raise ConfigError(
+        f"--workdir {workdir.remote} is in a bucket, where MLflow's local SQLite store cannot "
+        "live: set tracking.uri (or MLFLOW_TRACKING_URI) to your tracking server, or to "
+        "sqlite:///<local path> to keep the store on this machine"
+    )
 
 
 def _non_chief_worker() -> bool:

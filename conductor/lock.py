@@ -31,7 +31,7 @@ from typing import Any
 
 from recsys.core import storage
 from recsys.core.errors import WorkdirLockedError
-from recsys.core.layout import WorkdirFile
+from recsys.core.layout import WorkdirFile, process_alive
 
 log = logging.getLogger(__name__)
 
@@ -238,9 +238,9 @@ def _is_stale(holder: dict[str, Any]) -> bool:
     if holder.get("host") != socket.gethostname():
         return False
     try:
-        os.kill(int(holder.get("pid", 0)), 0)
-    except ProcessLookupError:
-        return True
-    except (PermissionError, ValueError, OverflowError):
+        pid = int(holder.get("pid", 0))
+    except (TypeError, ValueError):
         return False
+    if pid <= 0 or not process_alive(pid):
+        return pid > 0
     return _same_process(holder)  # our own pid: a lock this process forgot to release

@@ -148,7 +148,10 @@ def run_nightly(
         # Before the first stage: a store that cannot be used would only fail the publish.
         check_tracking_store(config, workdir.root)
         nightly = _Nightly(config, workdir, date, input_path, force_promote, progress)
-        return nightly.run(rerun_from, until)
+        result = nightly.run(rerun_from, until)
+        # What the night changed after its last stage: serving state, retention, the summary.
+        mirror.push(workdir)
+        return result
 
 
 def backfill(
@@ -232,7 +235,6 @@ class _Nightly:
         self._retention()
         result.summary_path = write_summary(result)
         _log_summary(self.config, self.workdir, result)
-        mirror.push(self.workdir)
         return result
 
     # -- stage bookkeeping -------------------------------------------------------------------

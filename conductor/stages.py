@@ -465,17 +465,20 @@ def _write_json(path: Path, payload: Any) -> None:
     tmp.replace(path)
 
 
-def check_workdir(path: str, writable: bool = False, cache_dir: str | None = None) -> Workdir:
+def check_workdir(
+    path: str, writable: bool = False, cache_dir: str | None = None, reader: bool = False
+) -> Workdir:
     """The working directory, created if missing; refuses a file, and (writable) a folder
     this process cannot write (StorageError, before any stage starts).
 
     A bucket URI (`s3://...`, `gs://...`) gives a Workdir whose root is its local copy under
     `cache_dir` (recsys.core.mirror): the stages work there, and the copy is synced with the
-    bucket by the commands that use it.
+    bucket by the commands that use it. A `reader` (a process that reads without the lock)
+    gets a copy of its own, which a writer on the same machine never works in.
     """
     if storage.is_uri(path):
         uri = str(storage.ObjectPath.parse(path))
-        copy = mirror.local_copy(uri, mirror.cache_dir(cache_dir), writable)
+        copy = mirror.local_copy(uri, mirror.cache_dir(cache_dir), writable=not reader)
         local = check_workdir(str(copy), writable=True)
         return Workdir(local.root, remote=uri)
     root = Path(path).expanduser().resolve()

@@ -21,8 +21,8 @@ from recsys.core.resolve import resolve_config
 from recsys.model import TrainedModel
 from recsys.synthetic import write_csv
 from tests.mlflow_server import MlflowServer, mlflow_server
-from tests.postgres_server import PostgresServer, find_bin, postgres_server
 from tests.object_stores import ObjectStore, gcs_server, s3_server
+from tests.postgres_server import PostgresServer, find_bin, postgres_server
 
 REPO = Path(__file__).resolve().parent.parent
 

@@ -114,6 +114,7 @@ class WorkdirFile(StrEnum):
     CHAMPION = "champion.json"
     LOCK = ".recsys.lock"
     MODELS_CONFIG = "models.config"  # under export/
+    STUDY_STORE = "optuna.db"  # under tune/: `recsys tune`'s default study storage (SQLite)
 
 
 # The folders and files recsys writes directly under the working directory (check_links).
@@ -373,7 +374,10 @@ class Workdir:
     def local(self, ref: str) -> Path:
         """The local path of something `public` named (a URI inside this workdir, or a path)."""
         if self.remote is not None and (ref == self.remote or ref.startswith(self.remote + "/")):
-            return self.root / ref[len(self.remote) :].lstrip("/")
+            parts = [p for p in ref[len(self.remote) :].split("/") if p]
+            if ".." in parts:
+                raise ConfigError(f"{ref}: '..' has no meaning in an object storage path")
+            return self.path(*parts)
         return Path(ref)
 
     def path(self, *parts: str) -> Path:
@@ -436,7 +440,7 @@ class Workdir:
 
     def study_store(self) -> Path:
         """The default Optuna storage (SQLite) of every search run in this working directory."""
-        return self.root / "tune" / "optuna.db"
+        return self.root / "tune" / WorkdirFile.STUDY_STORE
 
     def champion_file(self) -> Path:
         return self.path(WorkdirFile.CHAMPION)
@@ -533,23 +537,25 @@ def temp_name(kind: str, what: str) -> str:
     return temp_prefix(kind, what) + uuid.uuid4().hex[:8]
 
 
-def left_by_dead_process(path: Path) -> bool:
-    """A temporary folder of recsys's own naming whose process is gone (or is this one).
+def left_by_dead_process(path: Path, files: bool = False) -> bool:
+    """A temporary folder (with `files`, or file) of recsys's own naming whose process is
+    gone (or is this one).
 
     Anything else (a look-alike name, a symbolic link, a live process's folder) is not ours
     to delete.
     """
     match = _TEMP_NAME.match(path.name)
-    if match is None or path.is_symlink() or not path.is_dir():
+    if match is None or path.is_symlink() or not (path.is_dir() or (files and path.is_file())):
         return False
     pid = int(match.group(1))
-    return pid == os.getpid() or not _process_alive(pid)
+    return pid == os.getpid() or not process_alive(pid)
 
 
-def _process_alive(pid: int) -> bool:
+def process_alive(pid: int) -> bool:
+    """Whether a process with this id exists on this host (owned by anyone)."""
     try:
         os.kill(pid, 0)
-    except ProcessLookupError:
+    except (ProcessLookupError, OverflowError):
         return False
     except PermissionError:
         return True  # exists, owned by another user

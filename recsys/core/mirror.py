@@ -14,9 +14,10 @@ a local copy of the working directory (`<cache>/workdirs/<scheme>/<bucket>/<path
 
 Version folders are the units the layout publishes whole (docs/ARCHITECTURE.md):
 `data/<date>`, `runs/<date>/<run>`, `export/<model>/<version>`, `embeddings/<version>`,
-`tune/<date>/data-<digest>`. Any new file inside one of them is carried without code here.
-Never synced: the lock file, the local MLflow store, training checkpoints (`.backup-*`) and the
-temporary folders of atomic writers.
+`tune/<date>/data-<digest>`. Any new file inside one of them (the sequence shards of
+`data/<date>`, say) is carried without code here. Never synced: the lock file, the local
+SQLite stores of MLflow and of `recsys tune`, training checkpoints (`.backup-*`) and the
+temporaries of atomic writers (pid-named: a pull removes those that a dead process left).
 """
 
 from __future__ import annotations
@@ -32,7 +33,14 @@ from typing import Any
 
 from recsys.core import storage
 from recsys.core.faults import fault_point
-from recsys.core.layout import TEMP_PREFIXES, Workdir, WorkdirFile, version_folder
+from recsys.core.layout import (
+    TEMP_PREFIXES,
+    Workdir,
+    WorkdirFile,
+    left_by_dead_process,
+    temp_name,
+    version_folder,
+)
 
 log = logging.getLogger(__name__)
 
@@ -40,6 +48,7 @@ CACHE_ENV = "RECSYS_CACHE_DIR"
 STATE_FILE = ".recsys-mirror.json"  # local only: the hashes of files as last synced
 _LOCAL_ONLY = frozenset({str(WorkdirFile.LOCK), "mlflow", STATE_FILE})
 _BACKUP_PREFIX = ".backup-"
+_STUDY_STORE = f"tune/{WorkdirFile.STUDY_STORE}"
 Stamp = tuple[int, str]  # an object's (size, version token: ETag or generation)
 
 
@@ -61,9 +70,12 @@ def local_copy(uri: str, cache: Path, writable: bool = True) -> Path:
 
 
 def is_local_only(relative: str) -> bool:
-    """Files that stay on this machine: the lock, the SQLite store, checkpoints, temporaries."""
+    """Files that stay on this machine: the lock, the SQLite stores of MLflow and of tuning
+    (a database is not a file to copy while it is open), checkpoints, temporaries."""
     parts = relative.split("/")
     if parts[0] in _LOCAL_ONLY or any(p.startswith(TEMP_PREFIXES) for p in parts):
+        return True
+    if relative.startswith(_STUDY_STORE):  # with its -journal / -wal files
         return True
     return any(p.startswith(_BACKUP_PREFIX) for p in parts)
 
@@ -123,7 +135,7 @@ class Mirror:
             if data is None:
                 continue  # deleted since the listing
             target.parent.mkdir(parents=True, exist_ok=True)
-            tmp = target.with_name(f".tmp-{target.name}")
+            tmp = target.with_name(temp_name("tmp", target.name))
             tmp.write_bytes(data)
             os.replace(tmp, target)
             self._sha(target)
@@ -191,6 +203,9 @@ class Mirror:
             return versions, plain
         for path in sorted(self.local.rglob("*")):
             name = path.relative_to(self.local).as_posix()
+            if left_by_dead_process(path, files=True) and path.is_file():
+                path.unlink()  # a download or state file that a killed pull left
+                continue
             if not path.is_file() or is_local_only(name):
                 continue
             version = version_folder(name)
@@ -234,7 +249,7 @@ class Mirror:
     def _save_state(self) -> None:
         self._state = {k: v for k, v in self._state.items() if (self.local / k).is_file()}
         self.local.mkdir(parents=True, exist_ok=True)
-        tmp = self.local / f".tmp-{STATE_FILE}"
+        tmp = self.local / temp_name("tmp", STATE_FILE)
         tmp.write_text(json.dumps({"files": self._state}))
         os.replace(tmp, self.local / STATE_FILE)
 

@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import Any, BinaryIO
 
 from recsys.core.errors import ConfigError, StorageError
+from recsys.core.layout import temp_name
 
 SCHEMES = ("s3", "gs")
 COMMIT_MARKER = "_COMMITTED"
@@ -390,7 +391,7 @@ def _download(uri: str, folder: Path, names: list[str], listing: Listing) -> Non
     def get(name: str) -> None:
         target = folder / name
         target.parent.mkdir(parents=True, exist_ok=True)
-        tmp = target.with_name(f".tmp-{target.name}")
+        tmp = target.with_name(temp_name("tmp", target.name))
         with fs.open_input_stream(f"{key}/{name}") as src, open(tmp, "wb") as dst:
             while chunk := src.read(_CHUNK):
                 dst.write(chunk)
