@@ -1,11 +1,13 @@
 """Resolve the `input_path` argument into the sorted list of files the job reads."""
 
 import datetime as dt
+import fnmatch
 import glob
 import re
 from dataclasses import dataclass
 from pathlib import Path
 
+from recsys.core import storage
 from recsys.core.errors import DataError
 
 MOVIELENS_RATINGS = "u.data"
@@ -35,8 +37,11 @@ def list_input_files(
     """The files behind a file, a directory (its files, sorted) or a glob; DataError if none.
 
     A directory's `date=YYYY-MM-DD` sub-folders are day partitions: those up to and including
-    `run_date` (all of them without one) are read, so each night adds one day.
+    `run_date` (all of them without one) are read, so each night adds one day. An `s3://` or
+    `gs://` URI is listed the same way in object storage (a prefix is a directory).
     """
+    if storage.is_uri(input_path):
+        return _remote_files(str(input_path), source, run_date)
     path = Path(input_path).expanduser()
     if path.is_dir():
         candidates = _directory_files(path, source, run_date)
@@ -73,6 +78,63 @@ def _directory_files(path: Path, source: str, run_date: dt.date | None) -> list[
         else:
             files.append(p)
     return files
+
+
+def _remote_files(uri: str, source: str, run_date: dt.date | None) -> list[InputFile]:
+    """The objects behind a URI: one object, a prefix (as a directory) or a glob."""
+    uri = uri.rstrip("/")
+    size = storage.file_size(uri)
+    if size is not None:
+        found = {uri: size}
+    elif _GLOB_CHARS & set(uri):
+        found = _remote_glob(uri)
+    else:
+        found = _remote_directory(uri, source, run_date)
+    if not found:
+        raise DataError(f"no input files in {uri} for data.source '{source}'")
+    return sorted(InputFile(path, n) for path, n in found.items())
+
+
+def _remote_directory(uri: str, source: str, run_date: dt.date | None) -> dict[str, int]:
+    if source in PRESET_RATINGS:
+        ratings = f"{uri}/{PRESET_RATINGS[source]}"
+        size = storage.file_size(ratings)
+        if size is None:
+            raise DataError(
+                f"{uri} has no {PRESET_RATINGS[source]}: is it the {source} folder? "
+                f"(data.source '{source}')"
+            )
+        return {ratings: size}
+    listed = storage.list_files(uri)
+    if not listed:
+        raise DataError(f"input not found: {uri} (expected an object, a prefix or a glob)")
+    found = {}
+    for name, size in listed.items():
+        parts = name.split("/")
+        if any(part.startswith((".", "_")) for part in parts):
+            continue
+        if len(parts) == 1:
+            found[f"{uri}/{name}"] = size
+            continue
+        match = _PARTITION.match(parts[0])
+        if match and len(parts) == 2:
+            day = _partition_day(Path(parts[0]), match.group(1))
+            if run_date is None or day <= run_date:
+                found[f"{uri}/{name}"] = size
+    return found
+
+
+def _remote_glob(uri: str) -> dict[str, int]:
+    # Object stores list by prefix: list below the part before the first wildcard, then match.
+    first = min(uri.index(c) for c in _GLOB_CHARS if c in uri)
+    prefix = uri[:first].rsplit("/", 1)[0]
+    listed = storage.list_files(prefix)
+    return {
+        f"{prefix}/{name}": size
+        for name, size in listed.items()
+        if fnmatch.fnmatchcase(f"{prefix}/{name}", uri)
+        and not any(part.startswith((".", "_")) for part in name.split("/"))
+    }
 
 
 def _partition_day(path: Path, text: str) -> dt.date:

@@ -11,13 +11,13 @@ import csv
 import json
 import logging
 from collections.abc import Iterator, Mapping
-from pathlib import Path
 from typing import Any
 
 import apache_beam as beam
 from apache_beam.typehints import no_annotations
 
 from beam_jobs.records import UNKNOWN_ITEM, Rejection, rejection
+from recsys.core import storage
 from recsys.core.config import DataConfig, ItemsConfig
 from recsys.core.errors import DataError
 from recsys.core.schema import ITEM_ID
@@ -50,9 +50,9 @@ def preset_side_file(
     """(path, format) of a MovieLens preset's side file next to its ratings file, if present."""
     if source in presets and ratings_files:
         name, fmt = presets[source]
-        path = Path(ratings_files[0]).parent / name
-        if path.is_file():
-            return str(path), fmt
+        path = storage.sibling(ratings_files[0], name)
+        if storage.file_size(path) is not None:
+            return path, fmt
     return None
 
 
@@ -68,7 +68,7 @@ def item_source(data: DataConfig, ratings_files: list[str]) -> ItemsConfig | Non
 
 def _text_lines(path: str, encoding: str) -> Iterator[tuple[int, str]]:
     """(line number, text) of a file; a line not in `encoding` is read as latin-1 (never fails)."""
-    with open(path, "rb") as fh:
+    with storage.open_input(path) as fh:
         for n, data in enumerate(fh, start=1):
             try:
                 text = data.decode(encoding)
@@ -90,7 +90,7 @@ def _genres(value: Any, separator: str) -> tuple[str, ...]:
 def read_items(cfg: ItemsConfig) -> Iterator[tuple[str, ItemFeatures]]:
     """(item id, (genres, title)) per row of the side file; rows without an id are skipped."""
     path = cfg.path or ""
-    if not Path(path).is_file():
+    if storage.file_size(path) is None:
         raise DataError(f"item file not found: {path} (data.items.path)")
     if cfg.format == "movielens-100k":
         rows = _ml100k_items(path)
@@ -118,10 +118,10 @@ def read_items(cfg: ItemsConfig) -> Iterator[tuple[str, ItemFeatures]]:
 
 
 def _ml100k_items(path: str) -> Iterator[tuple[str, ItemFeatures]]:
-    genre_file = Path(path).parent / "u.genre"
+    genre_file = storage.sibling(path, "u.genre")
     names = list(ML100K_GENRES)
-    if genre_file.is_file():
-        pairs = [line.rsplit("|", 1) for _, line in _text_lines(str(genre_file), "latin-1")]
+    if storage.file_size(genre_file) is not None:
+        pairs = [line.rsplit("|", 1) for _, line in _text_lines(genre_file, "latin-1")]
         names = [
             name for name, _ in sorted((p for p in pairs if len(p) == 2), key=lambda p: int(p[1]))
         ]

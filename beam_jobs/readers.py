@@ -38,6 +38,7 @@ from beam_jobs.records import (
     rejection,
 )
 from beam_jobs.validation import validate
+from recsys.core import storage
 from recsys.core.config import DataConfig
 from recsys.core.errors import ConfigError, DataError
 from recsys.core.schema import ITEM_ID, TIMESTAMP, USER_ID, WEIGHT
@@ -217,7 +218,7 @@ def read_delimited(
     lines = LineCount() if lines is None else lines
     rows = _multiline_rows if spec.multiline else _line_rows
     try:
-        with open(path, "rb") as fh:
+        with storage.open_input(path) as fh:
             yield from rows(path, fh, spec, lines)
     except OSError as exc:
         lines.data += 1
@@ -371,7 +372,7 @@ def check_header(path: str, spec: ReadSpec) -> None:
     if spec.format != "delimited" or spec.header or not spec.has_header:
         return
     try:
-        with open(path, "rb") as fh:
+        with storage.open_input(path) as fh:
             first = next((line for line in fh if line.strip()), b"")
     except OSError:
         return  # the reader reports it as unreadable_file
@@ -391,7 +392,7 @@ def read_parquet(path: str, spec: ReadSpec) -> Iterator[RawRow | Rejection]:
     """Rows of a Parquet file, read in Arrow record batches of the needed columns only."""
     row = 0  # rows read so far
     try:
-        pf = pq.ParquetFile(path)
+        pf = parquet_file(path)
         names = pf.schema_arrow.names
         cols = _locate(names, spec)
         if cols.missing_field:
@@ -435,7 +436,7 @@ def read_jsonl(
     """Rows of a JSON Lines file: one object per line, fields by key (absent key: null)."""
     lines = LineCount() if lines is None else lines
     try:
-        with open(path, "rb") as fh:
+        with storage.open_input(path) as fh:
             yield from _jsonl_rows(path, fh, spec, lines)
     except OSError as exc:
         lines.data += 1
@@ -650,7 +651,7 @@ def read_parquet_batches(
     lines = LineCount() if lines is None else lines
     row = 0  # rows read so far
     try:
-        pf = pq.ParquetFile(path)
+        pf = parquet_file(path)
         names = pf.schema_arrow.names
         cols = _locate(names, spec)
         if cols.missing_field:
@@ -684,11 +685,18 @@ def read_batches(
     return _validated(reader(path, spec, lines), file, bounds)
 
 
+def parquet_file(path: str) -> pq.ParquetFile:
+    """A Parquet file, local or in object storage (random access: footer, then columns)."""
+    if storage.is_uri(path):
+        return pq.ParquetFile(storage.open_random_access(path))
+    return pq.ParquetFile(path)
+
+
 def parquet_raw(path: str, spec: ReadSpec, rows: Iterable[int]) -> dict[int, str]:
     """The raw JSON of some rows (1-based) of a Parquet file, read back for their rejections."""
     wanted_rows = sorted(set(rows))
     out: dict[int, str] = {}
-    pf = pq.ParquetFile(path)
+    pf = parquet_file(path)
     names = pf.schema_arrow.names
     cols = _locate(names, spec)
     columns = list(dict.fromkeys(names[i] for i in cols.indexes if i >= 0))

@@ -12,13 +12,13 @@ import csv
 import json
 import logging
 from collections.abc import Iterator, Mapping
-from pathlib import Path
 from typing import Any
 
 import apache_beam as beam
 from apache_beam.typehints import no_annotations
 
 from beam_jobs.items import _text_lines, preset_side_file
+from recsys.core import storage
 from recsys.core.config import DataConfig, UsersConfig
 from recsys.core.errors import DataError
 
@@ -79,7 +79,7 @@ def _delimiter(cfg: UsersConfig) -> str:
 def read_users(cfg: UsersConfig, names: tuple[str, ...]) -> Iterator[tuple[str, UserFeatures]]:
     """(user id, feature values) per row of the side file; rows without an id are skipped."""
     path = cfg.path or ""
-    if not Path(path).is_file():
+    if storage.file_size(path) is None:
         raise DataError(f"user file not found: {path} (data.users.path)")
     if cfg.format == "movielens-100k":
         rows = _split_rows(path, "|", ML100K_USER_COLUMNS, "latin-1")

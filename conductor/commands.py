@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime as dt
 import json
 import os
 import sys
+import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +25,7 @@ from conductor.repair import format_report as format_repair
 from recsys import tuning
 from recsys.ab import workflow as ab_workflow
 from recsys.ab.planning import format_plan, plan
+from recsys.core import mirror, storage
 from recsys.core.config import MAX_COUNT, MAX_SECONDS, MAX_WORKERS, RecsysConfig, set_dotted
 from recsys.core.errors import ConfigError
 from recsys.core.layout import (
@@ -31,6 +35,7 @@ from recsys.core.layout import (
     Workdir,
     clean_temporaries,
     parse_date,
+    temp_prefix,
 )
 from recsys.core.progress import shown
 from recsys.tracking.compare import compare, format_table
@@ -44,6 +49,9 @@ _WRITERS = {
     "preprocess", "train", "evaluate", "export", "sync", "tune", "compare", "ab", "embeddings",
     "repair",
 }  # fmt: skip
+# Commands that use MLflow besides those _uses_tracking names (they check the store
+# themselves); a workdir in a bucket has no place for the local SQLite store.
+_TRACKED = {"nightly", "backfill", "sync", "repair"}
 
 
 def dispatch(args: argparse.Namespace, config: RecsysConfig, date: dt.date) -> int:
@@ -55,25 +63,34 @@ def dispatch(args: argparse.Namespace, config: RecsysConfig, date: dt.date) -> i
 
 def _dispatch(args: argparse.Namespace, config: RecsysConfig, date: dt.date) -> int:
     writes = _writes(args)
-    workdir = stages.check_workdir(args.workdir, writable=writes)
+    # A non-chief multi-worker `train` writes nothing here, and must not wait for the chief.
+    locked = writes and not (args.command == "train" and _non_chief_worker())
+    st = config.storage
+    storage.configure(st.s3_endpoint_url, st.s3_region, st.gcs_endpoint)
+    workdir = stages.check_workdir(
+        args.workdir, writable=writes, cache_dir=st.cache_dir, reader=not locked
+    )
     if writes:
         workdir.check_links()  # before anything is written through a link leading outside
+    if workdir.remote is not None and (_uses_tracking(args) or args.command in _TRACKED):
+        _check_remote_tracking(config, workdir)
     if args.command in ("nightly", "backfill") and _non_chief_worker():
         raise ConfigError(
             "TF_CONFIG names this process a non-chief worker: run `recsys nightly` on the "
             "chief only and `recsys train` with the same --config/--date on the other workers"
         )
-    # A non-chief multi-worker `train` writes nothing here, and must not wait for the chief.
-    if (
-        args.command in _WRITERS
-        and writes
-        and not (args.command == "train" and _non_chief_worker())
-    ):
-        with WorkdirLock(workdir.root, command=f"recsys {args.command}"):
-            clean_temporaries(workdir.root)  # what a killed command left (as nightly does)
-            if _uses_tracking(args):  # nightly, backfill and sync check their own
+    if args.command in _WRITERS and locked:
+        command = f"recsys {args.command}"
+        with WorkdirLock(workdir.root, command=command, remote=workdir.remote):
+            if _uses_tracking(args):  # nightly, backfill, sync and repair check their own
                 check_tracking_store(config, workdir.root)
-            return _run_stage(args, config, workdir, date)
+            mirror.pull(workdir)  # a workdir in a bucket: its committed state
+            clean_temporaries(workdir.root)  # what a killed command left (as nightly does)
+            code = _run_stage(args, config, workdir, date)
+            mirror.push(workdir)
+            return code
+    if args.command == "train":
+        mirror.pull(workdir)  # a non-chief worker: the committed data, no lock needed
     return _run_stage(args, config, workdir, date)
 
 
@@ -96,6 +113,17 @@ def _uses_tracking(args: argparse.Namespace) -> bool:
     return args.ab_command == "analyze" and (not args.no_log or args.promote)
 
 
+def _check_remote_tracking(config: RecsysConfig, workdir: Workdir) -> None:
+    """A workdir in a bucket has no place for the local SQLite store: name a server."""
+    if config.tracking.uri or os.environ.get("MLFLOW_TRACKING_URI"):
+        return
+    raise ConfigError(
+        f"--workdir {workdir.remote} is in a bucket, where MLflow's local SQLite store cannot "
+        "live: set tracking.uri (or MLFLOW_TRACKING_URI) to your tracking server, or to "
+        "sqlite:///<local path> to keep the store on this machine"
+    )
+
+
 def _non_chief_worker() -> bool:
     if not os.environ.get("TF_CONFIG"):
         return False
@@ -106,26 +134,25 @@ def _run_stage(
     args: argparse.Namespace, config: RecsysConfig, workdir: Workdir, date: dt.date
 ) -> int:
     if args.command == "preprocess":
-        out, stats = stages.preprocess(
-            config, workdir, date, args.input, Path(args.output) if args.output else None
-        )
+        out, stats = _preprocess(args, config, workdir, date)
         _print_stats(out, stats)
     elif args.command == "train":
         if args.input:
             config = config.with_input(args.input)
         run_dir, result = stages.train(config, workdir, date, callbacks=[KerasProgress()])
-        print(f"trained run: {run_dir or '(non-chief worker: the chief writes the run)'}")
+        where = workdir.public(run_dir) if run_dir else None
+        print(f"trained run: {where or '(non-chief worker: the chief writes the run)'}")
         print(
             f"final loss: {result.history['loss'][-1]:.4f} "
             f"({result.examples_per_second:,.0f} examples/s)"
         )
     elif args.command == "evaluate":
         run_dir, report = stages.evaluate(config, workdir, date, args.run_id)
-        print(f"metrics: {run_dir / RunFile.METRICS}")
+        print(f"metrics: {workdir.public(run_dir / RunFile.METRICS)}")
         _print_metrics(report)
     elif args.command == "export":
         exported = stages.export(config, workdir, date, args.run_id, args.verify)
-        _print_export(exported)
+        _print_export(exported, workdir)
     elif args.command == "nightly":
         night = run_nightly(
             config,
@@ -136,12 +163,15 @@ def _run_stage(
             rerun_from=args.rerun_from,
             until=args.until,
         )
-        _print_nightly(night)
+        _print_nightly(night, workdir)
     elif args.command == "tune":
         _tune(args, config, workdir, date)
     elif args.command == "backfill":
         start, end = parse_date(args.start), parse_date(args.end)
-        backfill(config, workdir, start, end, input_path=args.input, on_date=_print_nightly)
+        backfill(
+            config, workdir, start, end, input_path=args.input,
+            on_date=lambda result: _print_nightly(result, workdir),
+        )  # fmt: skip
     elif args.command == "sync":
         published = stages.sync(config, workdir, date, args.tracking_uri)
         if not published:
@@ -265,15 +295,51 @@ def _ab(args: argparse.Namespace, config: RecsysConfig, workdir: Workdir) -> Non
         definition_path=Path(args.definition) if args.definition else None,
         pre_events=Path(args.pre_events) if args.pre_events else None, start=args.start,
         timestamp_unit=args.timestamp_unit, promote=args.promote, log_to_mlflow=not args.no_log,
+        serving_base=workdir.serving_base(config.export.serving_base_path),
     )  # fmt: skip
     print(ab_workflow.format_report(result))
 
 
 def _embeddings(args: argparse.Namespace, workdir: Workdir) -> None:
     default = workdir.root / "embeddings-export" / f"{args.version}-{args.format}"
-    output = Path(args.output) if args.output else default
-    for path in export_embeddings(workdir.embeddings(args.version), args.format, output):
-        print(f"wrote:       {path}")
+    source = workdir.embeddings(args.version)
+    if not storage.is_uri(args.output):
+        output = Path(args.output) if args.output else default
+        for path in export_embeddings(source, args.format, output):
+            print(f"wrote:       {workdir.public(path)}")
+        return
+    with _staged_output(workdir.embeddings_root(), args.output) as local:
+        written = export_embeddings(source, args.format, local)
+    for path in written:
+        print(f"wrote:       {args.output.rstrip('/')}/{Path(path).relative_to(local)}")
+
+
+def _preprocess(
+    args: argparse.Namespace, config: RecsysConfig, workdir: Workdir, date: dt.date
+) -> tuple[Path | str, dict[str, Any]]:
+    """`recsys preprocess`, into the workdir, a folder, or a bucket (published as a version)."""
+    if not storage.is_uri(args.output):
+        output = Path(args.output) if args.output else None
+        out, stats = stages.preprocess(config, workdir, date, args.input, output)
+        return workdir.public(out), stats
+    with _staged_output(workdir.path("data"), args.output) as local:
+        _, stats = stages.preprocess(config, workdir, date, args.input, local)
+    return args.output, stats
+
+
+@contextlib.contextmanager
+def _staged_output(parent: Path, uri: str) -> Iterator[Path]:
+    """A local folder whose content is published to `uri` as one version when the block ends.
+
+    It is a temporary of this process under the workdir's `parent` (data/, embeddings/), where
+    the next command removes what a killed one left (clean_temporaries).
+    """
+    parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix=temp_prefix("tmp", "output"), dir=parent) as tmp:
+        local = Path(tmp) / "output"
+        yield local
+        with storage.storage_errors(uri):
+            storage.publish_version(local, uri, previous=storage.committed(uri))
 
 
 def _compare(args: argparse.Namespace, config: RecsysConfig, workdir: Workdir) -> None:
@@ -289,14 +355,15 @@ def _compare(args: argparse.Namespace, config: RecsysConfig, workdir: Workdir) -
         print(f"mlflow run (comparisons experiment): {result.mlflow_run_id}")
 
 
-def _print_nightly(result: NightlyResult) -> None:
+def _print_nightly(result: NightlyResult, workdir: Workdir) -> None:
     last = result.stages[-1].name
+    run_dir = workdir.public(result.run_dir) if result.run_dir is not None else None
     if result.already_done:
         upto = "" if result.finished else f" up to {last}"
-        print(f"nightly {result.date}: already done{upto}, nothing to do (run {result.run_dir})")
-    _print_stats(result.data_dir, _read_stats(result.data_dir))
-    if result.run_dir is not None:
-        print(f"run:         {result.run_dir}")
+        print(f"nightly {result.date}: already done{upto}, nothing to do (run {run_dir})")
+    _print_stats(workdir.public(result.data_dir), _read_stats(result.data_dir))
+    if run_dir is not None:
+        print(f"run:         {run_dir}")
     print(
         "stages:      "
         + ", ".join(f"{s.name} {s.status} ({s.seconds:.1f} s)" for s in result.stages)
@@ -324,7 +391,7 @@ def _print_nightly(result: NightlyResult) -> None:
     for problem in result.serving_problems:
         print(f"serving:     {problem}")
     if result.summary_path is not None:
-        print(f"summary:     {result.summary_path}")
+        print(f"summary:     {workdir.public(result.summary_path)}")
 
 
 def _print_published(published: PublishResult | None) -> None:
@@ -351,7 +418,7 @@ def _read_stats(data_dir: Path) -> dict[str, Any]:
     return json.loads((data_dir / DataFile.STATS).read_text())
 
 
-def _print_stats(out: Path, stats: dict[str, Any]) -> None:
+def _print_stats(out: Path | str, stats: dict[str, Any]) -> None:
     splits = stats.get("splits", {})
     print(f"data:        {out}")
     print(
@@ -362,11 +429,11 @@ def _print_stats(out: Path, stats: dict[str, Any]) -> None:
     )
 
 
-def _print_export(exported: stages.ExportResult) -> None:
+def _print_export(exported: stages.ExportResult, workdir: Workdir) -> None:
     for name, path in exported.models.items():
-        print(f"savedmodel:  {name} -> {path}")
+        print(f"savedmodel:  {name} -> {workdir.public(path)}")
     for name, path in exported.embeddings.items():
-        print(f"embeddings:  {name} -> {path}")
+        print(f"embeddings:  {name} -> {workdir.public(path)}")
     if exported.verification:
         print("verified:    fresh-process reload matches the in-memory model")
 

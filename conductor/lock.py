@@ -5,6 +5,13 @@ dies, even by SIGKILL, so a stale lock (file left behind, holder gone) is taken 
 guessing from pids; the file's contents (pid, host, start time, command) only name the holder.
 flock is reliable on local disks and on most network filesystems that Kubernetes volumes use
 (NFSv4 maps it to byte-range locks); see docs/OPERATIONS.md.
+
+A working directory in a bucket is locked twice: its local copy by flock as above, and the
+bucket by a lock object `<uri>/.recsys.lock` created only if absent (S3 If-None-Match, GCS
+generation 0), so processes on different machines exclude each other too. The holder renews
+the object's lease while it runs; a holder that died is taken over when its lease has expired,
+or at once when it was a process on this host that no longer exists. Takeover and renewal are
+conditional on the object's version (If-Match, generation), so two takers cannot both win.
 """
 
 from __future__ import annotations
@@ -16,13 +23,15 @@ import logging
 import os
 import socket
 import sys
+import threading
 import time
 from pathlib import Path
 from types import TracebackType
 from typing import Any
 
+from recsys.core import storage
 from recsys.core.errors import WorkdirLockedError
-from recsys.core.layout import WorkdirFile
+from recsys.core.layout import WorkdirFile, process_alive
 
 log = logging.getLogger(__name__)
 
@@ -54,10 +63,13 @@ class WorkdirLock:
 
     _held: dict[Path, int] = {}
 
-    def __init__(self, root: Path, command: str = " ".join(sys.argv)) -> None:
+    def __init__(
+        self, root: Path, command: str = " ".join(sys.argv), remote: str | None = None
+    ) -> None:
         self.path = root / LOCK_FILE
         self.command = command
         self._fd: int | None = None
+        self._bucket = BucketLock(f"{remote}/{LOCK_FILE}", command) if remote else None
 
     def acquire(self) -> None:
         """Take the lock or raise WorkdirLockedError naming the holder."""
@@ -86,11 +98,19 @@ class WorkdirLock:
         os.fsync(fd)
         self._fd = fd
         WorkdirLock._held[self.path] = fd
+        if self._bucket is not None:
+            try:
+                self._bucket.acquire()
+            except BaseException:
+                self.release()
+                raise
 
     def release(self) -> None:
         """Release the lock if this object took it."""
         if self._fd is None:
             return
+        if self._bucket is not None:
+            self._bucket.release()
         WorkdirLock._held.pop(self.path, None)
         # Emptied while still locked (no one else can write it now): a record found by the
         # next holder then always means a holder that died without releasing.
@@ -122,3 +142,105 @@ def _read_holder(fd: int) -> dict[str, Any]:
 
 def _same_process(holder: dict[str, Any]) -> bool:
     return holder.get("pid") == os.getpid() and holder.get("host") == socket.gethostname()
+
+
+LEASE_SECONDS = 120.0  # a bucket lock whose holder stopped renewing it for this long is stale
+
+
+class BucketLock:
+    """The lock object of a working directory in a bucket, renewed while held (see above)."""
+
+    def __init__(self, uri: str, command: str, lease_seconds: float = LEASE_SECONDS) -> None:
+        self.uri = uri
+        self.command = command
+        self.lease_seconds = lease_seconds
+        self._token: str | None = None
+        self._stop = threading.Event()
+        self._renewer: threading.Thread | None = None
+
+    def _record(self) -> bytes:
+        expires = time.time() + self.lease_seconds
+        return (json.dumps({**holder_info(self.command), "expires": expires}) + "\n").encode()
+
+    def acquire(self) -> None:
+        """Create the lock object, or take over a dead holder's; else WorkdirLockedError."""
+        with storage.storage_errors(self.uri):
+            token = storage.create_object(self.uri, self._record())
+            if token is None:
+                token = self._take_over()
+        self._token = token
+        self._stop.clear()
+        self._renewer = threading.Thread(target=self._renew, name="recsys-lock", daemon=True)
+        self._renewer.start()
+
+    def _take_over(self) -> str:
+        found = storage.read_object(self.uri)
+        if found is None:  # released in between: try once more from the start
+            token = storage.create_object(self.uri, self._record())
+            if token is not None:
+                return token
+            found = storage.read_object(self.uri) or (b"", "")
+        data, version = found
+        holder = _parse(data)
+        if not _is_stale(holder):
+            raise WorkdirLockedError(
+                f"{self.uri.rsplit('/', 1)[0]} is in use by {describe(holder)}; wait for it "
+                f"to finish (a dead holder's lock is taken over once its "
+                f"{self.lease_seconds:.0f} s lease has expired)"
+            )
+        token = storage.replace_object(self.uri, self._record(), version)
+        if token is None:
+            raise WorkdirLockedError(
+                f"{self.uri.rsplit('/', 1)[0]}: another process took over the stale lock of "
+                f"{describe(holder)} first; rerun later"
+            )
+        log.warning("taking over the bucket lock left by %s, which is gone", describe(holder))
+        return token
+
+    def _renew(self) -> None:
+        while not self._stop.wait(self.lease_seconds / 4):
+            try:
+                token = storage.replace_object(self.uri, self._record(), self._token or "")
+            except Exception as exc:  # a transient error: the next renewal tries again
+                log.warning("could not renew the bucket lock %s: %s", self.uri, exc)
+                continue
+            if token is None:
+                log.error("the bucket lock %s was taken by another process", self.uri)
+                return
+            self._token = token
+
+    def release(self) -> None:
+        """Stop renewing and delete the lock object (only if it is still ours)."""
+        self._stop.set()
+        if self._renewer is not None:
+            self._renewer.join()
+            self._renewer = None
+        if self._token is not None:
+            try:
+                storage.delete_object(self.uri, self._token)
+            except Exception as exc:  # the lease runs out on its own
+                log.warning("could not delete the bucket lock %s: %s", self.uri, exc)
+            self._token = None
+
+
+def _parse(data: bytes) -> dict[str, Any]:
+    try:
+        holder = json.loads(data.decode("utf-8", "replace"))
+    except ValueError:
+        return {}
+    return holder if isinstance(holder, dict) else {}
+
+
+def _is_stale(holder: dict[str, Any]) -> bool:
+    """An expired lease, or a holder on this host whose process is gone."""
+    if not holder or float(holder.get("expires", 0)) < time.time():
+        return True
+    if holder.get("host") != socket.gethostname():
+        return False
+    try:
+        pid = int(holder.get("pid", 0))
+    except (TypeError, ValueError):
+        return False
+    if pid <= 0 or not process_alive(pid):
+        return pid > 0
+    return _same_process(holder)  # our own pid: a lock this process forgot to release

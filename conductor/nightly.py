@@ -31,6 +31,7 @@ from conductor import stages
 from conductor.lock import WorkdirLock
 from conductor.progress import KerasProgress
 from conductor.promotion import device_layout, publish_run, sync_serving_state
+from recsys.core import mirror
 from recsys.core.config import RecsysConfig
 from recsys.core.errors import (
     ACCESS_ERRNOS,
@@ -137,13 +138,20 @@ def run_nightly(
     `until` stops after that stage (an orchestrator's task per stage: the same run folder,
     markers and resume as a whole nightly); the night's checks, retention and summary run
     with its last stage, publish.
+    A workdir in a bucket is pulled first and pushed after every stage, so a rerun anywhere
+    continues from the last stage that finished (recsys.core.mirror).
     """
-    with WorkdirLock(workdir.root, command=f"recsys nightly --date {date}"), shown(progress):
+    command = f"recsys nightly --date {date}"
+    with WorkdirLock(workdir.root, command=command, remote=workdir.remote), shown(progress):
+        mirror.pull(workdir)
         clean_temporaries(workdir.root)
         # Before the first stage: a store that cannot be used would only fail the publish.
         check_tracking_store(config, workdir.root)
         nightly = _Nightly(config, workdir, date, input_path, force_promote, progress)
-        return nightly.run(rerun_from, until)
+        result = nightly.run(rerun_from, until)
+        # What the night changed after its last stage: serving state, retention, the summary.
+        mirror.push(workdir)
+        return result
 
 
 def backfill(
@@ -159,7 +167,8 @@ def backfill(
     if end < start:
         raise ConfigError(f"--end {end} is before --start {start}")
     results = []
-    with WorkdirLock(workdir.root, command=f"recsys backfill --start {start} --end {end}"):
+    command = f"recsys backfill --start {start} --end {end}"
+    with WorkdirLock(workdir.root, command=command, remote=workdir.remote):
         day = start
         while day <= end:
             log.info("backfill: %s (%d of %d)", day, (day - start).days + 1, (end - start).days + 1)
@@ -273,6 +282,7 @@ class _Nightly:
         seconds = time.perf_counter() - start
         folder = self._folder(name)
         mark_stage(folder, name, {"seconds": round(seconds, 3), **info})
+        mirror.push(self.workdir)  # a bucket workdir keeps every finished stage
         log.info("stage %d/%d %s: done in %.1f s", number, len(STAGES), name, seconds)
         self.outcomes.append(StageOutcome(name, "ran", seconds))
         return folder
@@ -446,7 +456,7 @@ def apply_retention(workdir: Workdir, keep_days: int) -> list[Path]:
     """Delete data/ and runs/ of all but the newest `keep_days` dates, never the champion's."""
     champion = champion_record(workdir)
     protected = {
-        Path(p).resolve() for p in (champion.get("run_dir"), champion.get("data_dir")) if p
+        workdir.local(p).resolve() for p in (champion.get("run_dir"), champion.get("data_dir")) if p
     }
     removed: list[Path] = []
     for parent in (workdir.root / "data", workdir.root / "runs"):

@@ -144,7 +144,7 @@ def _publish(
     uri: str,
 ) -> PublishResult:
     train_info = _read(run_dir / RunFile.TRAIN)
-    data_dir = Path(train_info["data_dir"])
+    data_dir = workdir.local(train_info["data_dir"])
     report = _read(run_dir / RunFile.METRICS)
     exported = _read(run_dir / RunFile.EXPORT)
     metrics = {f"test_{k}": v for k, v in report["model"].items()}
@@ -170,24 +170,26 @@ def _publish(
     # The embeddings' own manifest (dim, hashes, checksums: serving_export.manifest), not the
     # vectors: they can be large and live in the workdir's embeddings/<version>/.
     if exported.get("embeddings_manifest"):
-        artifacts.append((Path(exported["embeddings_manifest"]), EMBEDDINGS_ARTIFACTS))
+        artifacts.append((workdir.local(exported["embeddings_manifest"]), EMBEDDINGS_ARTIFACTS))
     artifacts += [
-        (Path(path), f"{registry.SAVEDMODELS}/{name}") for name, path in exported["models"].items()
+        (workdir.local(path), f"{registry.SAVEDMODELS}/{name}")
+        for name, path in exported["models"].items()
     ]
     # What is registered: the retrieval SavedModel as an MLflow Model (pyfunc).
-    retrieval = Path(exported["models"]["retrieval"])
+    retrieval = workdir.local(exported["models"]["retrieval"])
     mlflow_model = run_mlflow_model(run_dir, data_dir, retrieval, config.export.top_k)
     artifacts.append((mlflow_model, registry.MLFLOW_MODEL))
+    # Paths as everyone else finds them: local paths, or URIs for a workdir in a bucket.
     tags = {
         # One MLflow run (and registered version) per run folder: a rerun that trains again
         # (--rerun-from train or earlier) is a new candidate, not the old run (runs.py).
         RUN_FOLDER_TAG: run_dir.name,
-        "run_dir": str(run_dir.resolve()),
-        "model_path": str((run_dir / RunFile.MODEL).resolve()),
+        "run_dir": workdir.public(run_dir),
+        "model_path": workdir.public(run_dir / RunFile.MODEL),
         # The model a later gate scores as champion (the served one unless it saw the test).
         "evaluated_model": evaluated.name,
-        "evaluated_model_path": str(evaluated.resolve()),
-        "data_dir": str(data_dir.resolve()),
+        "evaluated_model_path": workdir.public(evaluated),
+        "data_dir": workdir.public(data_dir),
         "model_version": str(exported["version"]),
         **{f"device.{k}": str(v) for k, v in state["device"].items()},
         # What the config's dense_log rule changed for this log ({}: nothing); the params hold
@@ -204,7 +206,7 @@ def _publish(
         metrics=metrics,
         artifacts=artifacts,
         tags=tags,
-        dataset_source=str(data_dir.resolve()),
+        dataset_source=workdir.public(data_dir),
         tracking_uri=uri,
         params=mlflow_params(read_settings(resolved)) if resolved.is_file() else None,
     )
@@ -225,7 +227,7 @@ def _publish(
         elif str(champion.version) == str(version.version):
             decision = gate.GateDecision(True, [f"version {version.version} is already champion"])
         else:
-            decision = _gate_against(client, config, run_dir, data_dir, champion, force)
+            decision = _gate_against(client, config, workdir, run_dir, data_dir, champion, force)
         _log_decision(client, run_id, run_dir, decision, champion)
         if decision.promote:
             registry.set_alias(client, name, registry.CHAMPION, version.version)
@@ -291,6 +293,7 @@ def _run_date(client: MlflowClient, version: ModelVersion) -> str:
 def _gate_against(
     client: MlflowClient,
     config: RecsysConfig,
+    workdir: Workdir,
     run_dir: Path,
     data_dir: Path,
     champion: Any,
@@ -300,7 +303,7 @@ def _gate_against(
     # Under the workdir, where the next run removes what a killed one left (clean_temporaries).
     prefix = temp_prefix("tmp", "recsys-champion")
     with tempfile.TemporaryDirectory(prefix=prefix, dir=run_dir.parent) as tmp:
-        model_dir = _champion_model(client, champion.run_id, Path(tmp))
+        model_dir = _champion_model(client, champion.run_id, Path(tmp), workdir)
         if model_dir is None:
             reason = (
                 f"champion version {champion.version}: its model is neither at its run folder "
@@ -344,7 +347,7 @@ def evaluate_champion(
     return eval_set.users, result.per_user, result.metrics
 
 
-def _champion_model(client: MlflowClient, run_id: str, tmp: Path) -> Path | None:
+def _champion_model(client: MlflowClient, run_id: str, tmp: Path, workdir: Workdir) -> Path | None:
     """The champion's evaluation model: its run folder's when present, else the logged copy.
 
     That is the served model, unless the champion refitted on its test split too
@@ -355,8 +358,8 @@ def _champion_model(client: MlflowClient, run_id: str, tmp: Path) -> Path | None
     tags = client.get_run(run_id).data.tags
     separate = tags.get("evaluated_model") == RunFile.EVAL_MODEL
     path = tags.get("evaluated_model_path" if separate else "model_path")
-    if path and (Path(path) / ModelFile.CONFIG).is_file():
-        return Path(path)
+    if path and (workdir.local(path) / ModelFile.CONFIG).is_file():
+        return workdir.local(path)
     artifact = EVALUATION_MODEL_ARTIFACT if separate else "trained_model"
     try:
         downloaded = Path(client.download_artifacts(run_id, artifact, str(tmp)))

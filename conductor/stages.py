@@ -28,6 +28,7 @@ import yaml
 from beam_jobs.pipeline import run_preprocess
 from conductor.promotion import pending_runs, publish_run
 from recsys import evaluation as ev
+from recsys.core import mirror, storage
 from recsys.core.config import ItemsConfig, RecsysConfig, parse_config
 from recsys.core.errors import ConfigError, DataError, StorageError
 from recsys.core.faults import fault_point
@@ -80,11 +81,13 @@ REPORTED_METRICS = (
 
 def resolve_input(
     config: RecsysConfig, workdir: Workdir, input_path: str | None
-) -> tuple[RecsysConfig, Path]:
-    """The config and raw input to read; the embedded synthetic log is generated on first use."""
+) -> tuple[RecsysConfig, Path | str]:
+    """The config and raw input to read (a path, or a URI in object storage); the embedded
+    synthetic log is generated on first use."""
     config = config.with_input(input_path)
     if config.data.source != "synthetic":
-        return config, Path(config.data.path or "")
+        given = config.data.path or ""
+        return config, given if storage.is_uri(given) else Path(given)
     synth = config.data.synthetic
     digest = hashlib.sha256(synth.model_dump_json().encode()).hexdigest()[:12]
     path = workdir.raw() / f"synthetic-{digest}.csv"
@@ -166,7 +169,8 @@ def train(
     _write_json(
         run_dir / RunFile.TRAIN,
         {
-            "data_dir": str(data_dir.resolve()),
+            # Where everyone else finds it: a path, or its URI for a workdir in a bucket.
+            "data_dir": workdir.public(data_dir),
             "examples_per_second": result.examples_per_second,
             "steady_examples_per_second": result.steady_examples_per_second,
             "epoch_seconds": result.epoch_seconds,
@@ -251,9 +255,11 @@ def _run_dir(workdir: Workdir, date: dt.date, run_id: str | None) -> Path:
     return workdir.latest_run(date)
 
 
-def run_data_dir(run_dir: Path) -> Path:
-    """The data folder a training run was trained on (recorded in its train.json)."""
-    return Path(json.loads((run_dir / RunFile.TRAIN).read_text())["data_dir"])
+def run_data_dir(run_dir: Path, workdir: Workdir | None = None) -> Path:
+    """The data folder a training run was trained on (recorded in its train.json), found in
+    `workdir`'s local copy when it was recorded by its URI."""
+    recorded = json.loads((run_dir / RunFile.TRAIN).read_text())["data_dir"]
+    return workdir.local(recorded) if workdir is not None else Path(recorded)
 
 
 def evaluate(
@@ -261,7 +267,7 @@ def evaluate(
 ) -> tuple[Path, dict[str, Any]]:
     """Exact test-set evaluation of a run next to the popularity baseline (same protocol)."""
     run_dir = _run_dir(workdir, date, run_id)
-    data_dir = run_data_dir(run_dir)
+    data_dir = run_data_dir(run_dir, workdir)
     model_dir = RunDir(run_dir).evaluated_model
     log.info("evaluate: %s (%s) on %s (test split)", run_dir.name, model_dir.name, data_dir)
     eval_set, result = evaluate_model(config, model_dir, data_dir)
@@ -345,7 +351,7 @@ def export(
         # Embeddings, their manifest and the optional ANN index are staged as well: none of
         # this version becomes visible unless all of it was written and verified.
         activity = read_activity(
-            run_data_dir(run_dir), model.users, model.items, model.config.history_length
+            run_data_dir(run_dir, workdir), model.users, model.items, model.config.history_length
         )
         lap("activity")
         emb_dir = staging / "embeddings" / str(version)
@@ -370,7 +376,10 @@ def export(
     # and versions beyond export.keep_versions go, except the served ones and this one.
     champion = champion_record(workdir).get("export_version")
     serving = finish_publish(
-        workdir.export_root(), workdir.embeddings_root(), models, version, config.export,
+        workdir.export_root(), workdir.embeddings_root(), models, version,
+        config.export.model_copy(
+            update={"serving_base_path": workdir.serving_base(config.export.serving_base_path)}
+        ),
         keep=[int(champion)] if champion and str(champion).isdigit() else [],
     )  # fmt: skip
     embeddings = {
@@ -380,9 +389,11 @@ def export(
         run_dir / RunFile.EXPORT,
         {
             "version": version,
-            "models": {k: str(v) for k, v in models.items()},
-            "embeddings": {k: str(v) for k, v in embeddings.items()},
-            "embeddings_manifest": str(workdir.embeddings(version) / EmbeddingsFile.MANIFEST),
+            "models": {k: workdir.public(v) for k, v in models.items()},
+            "embeddings": {k: workdir.public(v) for k, v in embeddings.items()},
+            "embeddings_manifest": workdir.public(
+                workdir.embeddings(version) / EmbeddingsFile.MANIFEST
+            ),
             "ann": staged_embeddings["ann"],
             "serving": serving,
             "verification": report,
@@ -454,9 +465,22 @@ def _write_json(path: Path, payload: Any) -> None:
     tmp.replace(path)
 
 
-def check_workdir(path: str, writable: bool = False) -> Workdir:
+def check_workdir(
+    path: str, writable: bool = False, cache_dir: str | None = None, reader: bool = False
+) -> Workdir:
     """The working directory, created if missing; refuses a file, and (writable) a folder
-    this process cannot write (StorageError, before any stage starts)."""
+    this process cannot write (StorageError, before any stage starts).
+
+    A bucket URI (`s3://...`, `gs://...`) gives a Workdir whose root is its local copy under
+    `cache_dir` (recsys.core.mirror): the stages work there, and the copy is synced with the
+    bucket by the commands that use it. A `reader` (a process that reads without the lock)
+    gets a copy of its own, which a writer on the same machine never works in.
+    """
+    if storage.is_uri(path):
+        uri = str(storage.ObjectPath.parse(path))
+        copy = mirror.local_copy(uri, mirror.cache_dir(cache_dir), writable=not reader)
+        local = check_workdir(str(copy), writable=True)
+        return Workdir(local.root, remote=uri)
     root = Path(path).expanduser().resolve()
     if root.exists() and not root.is_dir():
         raise ConfigError(f"--workdir {path} exists and is not a directory")

@@ -109,7 +109,8 @@ def write_serving_state(state: ServingState, workdir: Workdir, base_path: str | 
     changed = serving_drift(state, workdir)
     state.problems += _missing_exports(state, workdir)
     if _exported_models(workdir):
-        set_version_labels(workdir.export_root(), state.labels, base_path)
+        base = workdir.serving_base(base_path)  # a workdir in a bucket: its export/ URI
+        set_version_labels(workdir.export_root(), state.labels, base)
     elif state.labels:
         state.problems.append(
             f"no exported model under {workdir.export_root()}: models.config was not written "

@@ -21,6 +21,7 @@ from recsys.core.resolve import resolve_config
 from recsys.model import TrainedModel
 from recsys.synthetic import write_csv
 from tests.mlflow_server import MlflowServer, mlflow_server
+from tests.object_stores import ObjectStore, gcs_server, s3_server
 from tests.postgres_server import PostgresServer, find_bin, postgres_server
 
 REPO = Path(__file__).resolve().parent.parent
@@ -148,3 +149,33 @@ def _no_ambient_mlflow(monkeypatch: pytest.MonkeyPatch) -> None:
     """A developer's MLflow settings must not redirect or weaken the tests."""
     for name in ("MLFLOW_TRACKING_URI", "MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT"):
         monkeypatch.delenv(name, raising=False)
+
+
+@pytest.fixture(scope="session")
+def s3_store(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ObjectStore]:
+    """moto's S3 server on 127.0.0.1, once per session (tests/object_stores.py)."""
+    with s3_server(tmp_path_factory.mktemp("s3")) as running:
+        yield running
+
+
+@pytest.fixture(scope="session")
+def gcs_store(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ObjectStore]:
+    """fake-gcs-server on 127.0.0.1, once per session (tests/object_stores.py)."""
+    with gcs_server(tmp_path_factory.mktemp("gcs")) as running:
+        yield running
+
+
+@pytest.fixture(params=["s3", "gs"])
+def store(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> ObjectStore:
+    """Each object store in turn, with the standard environment pointing at it."""
+    running = request.getfixturevalue("s3_store" if request.param == "s3" else "gcs_store")
+    use_store(running, monkeypatch)
+    return running
+
+
+def use_store(running: ObjectStore, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Point this process's standard storage environment at `running` (and only there)."""
+    for name in ("AWS_ENDPOINT_URL_S3", "AWS_REGION", "AWS_SESSION_TOKEN", "AWS_PROFILE"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in running.env.items():
+        monkeypatch.setenv(name, value)

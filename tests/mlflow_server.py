@@ -56,6 +56,7 @@ def mlflow_server(
     port: int | None = None,
     backend_uri: str | None = None,
     serve_artifacts: bool = False,
+    artifacts_destination: str | None = None,
     app_name: str | None = None,
     env: dict[str, str] | None = None,
 ) -> Iterator[MlflowServer]:
@@ -63,14 +64,15 @@ def mlflow_server(
 
     `port` pins the port (e.g. a server "coming back" where clients expect it); default: free.
     `backend_uri` replaces the SQLite store; `serve_artifacts` proxies artifacts (stored under
-    `root/artifacts`); `app_name` (e.g. "basic-auth") and `env` are passed to the server.
+    `root/artifacts`, or at `artifacts_destination`, e.g. an s3:// bucket the server reaches
+    through `env`); `app_name` (e.g. "basic-auth") and `env` are passed to the server.
     """
     root.mkdir(parents=True, exist_ok=True)
     port = port or free_port()
     artifacts = root / "artifacts"
     log = root / "server.log"
     store = ["--artifacts-destination" if serve_artifacts else "--default-artifact-root",
-             str(artifacts.resolve())]  # fmt: skip
+             artifacts_destination or str(artifacts.resolve())]  # fmt: skip
     command = [
         mlflow_executable(), "server",
         "--backend-store-uri", backend_uri or f"sqlite:///{root.resolve() / 'mlflow.db'}",

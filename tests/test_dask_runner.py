@@ -31,6 +31,9 @@ from recsys.core.config import RecsysConfig, parse_config
 from recsys.core.errors import ConfigError
 from recsys.core.layout import SEQUENCES, SUCCESS
 from recsys.synthetic import write_csv
+from tests.conftest import use_store
+from tests.object_stores import ObjectStore
+from tests.test_storage_beam import output_files
 
 REPO = Path(__file__).resolve().parent.parent
 RUN_DATE = dt.date(2026, 1, 5)
@@ -83,9 +86,9 @@ def _untimed(stats: dict) -> dict:
     return {k: v for k, v in stats.items() if k != "pipeline_seconds"}
 
 
-def _env() -> dict[str, str]:
+def _env(extra: dict[str, str] | None = None) -> dict[str, str]:
     env = {**os.environ, "PYTHONPATH": str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", "")}
-    return env
+    return {**env, **(extra or {})}
 
 
 def _wait_for(path: Path, seconds: float = 60) -> dict:
@@ -98,8 +101,14 @@ def _wait_for(path: Path, seconds: float = 60) -> dict:
 
 
 @pytest.fixture(scope="module")
-def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, list[int]]]:
-    """A dask scheduler and two single-threaded worker processes on 127.0.0.1: (address, pids)."""
+def cluster(
+    tmp_path_factory: pytest.TempPathFactory, s3_store: ObjectStore
+) -> Iterator[tuple[str, list[int]]]:
+    """A dask scheduler and two single-threaded worker processes on 127.0.0.1: (address, pids).
+
+    The workers' environment points at the test S3 server, as a deployment's would at its
+    object store: workers read input from the bucket with their own credentials.
+    """
     folder = tmp_path_factory.mktemp("dask")
     info = folder / "scheduler.json"
     # --no-dashboard alone still leaves an HTTP server on every interface (0.0.0.0).
@@ -126,7 +135,7 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, lis
                         "--nworkers",
                         "1",
                     ],
-                    env=_env(),
+                    env=_env(s3_store.env),
                     stdout=subprocess.DEVNULL,
                     stderr=subprocess.DEVNULL,
                     start_new_session=True,
@@ -171,6 +180,40 @@ def _listening(pids: list[int]) -> set[str]:
         for conn in proc.net_connections(kind="inet")
         if conn.status == psutil.CONN_LISTEN
     }
+
+
+@pytest.mark.slow
+def test_dask_cluster_reading_the_bucket_matches_the_direct_runner_on_local_files(
+    tmp_path: Path,
+    inputs: tuple,
+    direct: tuple,
+    cluster: tuple,
+    s3_store: ObjectStore,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The log, item and user files in S3, read by the cluster's workers (not this process)."""
+    from recsys.core import storage
+
+    use_store(s3_store, monkeypatch)
+    config, log = inputs
+    uri = f"{s3_store.new_bucket()}/raw"
+    for path in log.parent.iterdir():
+        storage.write_bytes(f"{uri}/{path.name}", path.read_bytes())
+    data = config.data.model_copy(update={
+        "path": f"{uri}/{log.name}",
+        "items": config.data.items.model_copy(update={"path": f"{uri}/items.csv"}),
+        "users": config.data.users.model_copy(update={"path": f"{uri}/users.csv"}),
+    })  # fmt: skip
+    preprocess = config.preprocess.model_copy(
+        update={"runner": "dask", "runner_address": cluster[0]}
+    )
+    remote = config.model_copy(update={"data": data, "preprocess": preprocess})
+    out = tmp_path / "data" / RUN_DATE.isoformat()
+    stats = _untimed(run_preprocess(remote, f"{uri}/{log.name}", out, RUN_DATE))
+    reference_dir, reference = direct
+    assert stats["rejected_by_reason"] == reference["rejected_by_reason"]
+    assert stats["splits"] == reference["splits"]
+    assert output_files(out, uri) == output_files(reference_dir, str(log.parent))
 
 
 @pytest.mark.slow

@@ -30,7 +30,8 @@ from serving_export.serving_config import (
     write_models_config,
 )
 from serving_export.signatures import MODEL_NAMES
-from tests.conftest import SMALL_DATE, plain_prepared
+from tests.conftest import SMALL_DATE, plain_prepared, use_store
+from tests.object_stores import ObjectStore
 
 DATE = dt.date.fromisoformat(SMALL_DATE)
 REPO = Path(__file__).resolve().parent.parent
@@ -211,6 +212,62 @@ def test_a_killed_export_leaves_no_visible_version(
     assert len(leftovers) == 1 and not leftovers[0].name.isdigit()  # TF Serving ignores it
     assert versions(leftovers[0] / "query") == [exported.version]  # it died after staging
     shutil.rmtree(leftovers[0])  # what recsys.core.layout.clean_temporaries does under the lock
+
+
+def committed_versions(uri: str) -> dict[str, list[int]]:
+    """What a reader of a bucket workdir sees: the committed versions of each model base."""
+    from recsys.core import storage
+
+    seen = {}
+    for base in [*(f"export/{name}" for name in MODEL_NAMES), "embeddings"]:
+        names = {n.split("/")[0] for n in storage.list_files(f"{uri}/{base}")}
+        seen[base] = sorted(
+            int(n) for n in names if n.isdigit() and storage.committed(f"{uri}/{base}/{n}")
+        )
+    return seen
+
+
+@pytest.mark.slow
+def test_a_killed_upload_to_a_bucket_leaves_no_committed_version(
+    exported: stages.ExportResult,
+    trained: tuple[RecsysConfig, Workdir, Path],
+    tmp_path: Path,
+    s3_store: ObjectStore,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The same workdir in an S3 bucket: `recsys export` killed after its first upload."""
+    from recsys.core import mirror, storage
+
+    config, workdir, run_dir = trained
+    use_store(s3_store, monkeypatch)
+    uri = f"{s3_store.new_bucket()}/work"
+    copy = tmp_path / "copy"
+    shutil.copytree(workdir.root, copy, ignore=shutil.ignore_patterns(".recsys.lock"))
+    # Unreserved, the run's next export is a new version (the reservation is per run).
+    (copy / run_dir.relative_to(workdir.root) / "export_version.json").unlink()
+    mirror.Mirror(uri, copy).push()
+    before = committed_versions(uri)
+    assert exported.version in before["export/query"]
+    raw = {
+        **config.model_dump(mode="json"),
+        "export": {**config.export.model_dump(), "verify": False},
+    }
+    (tmp_path / "config.yaml").write_text(yaml.safe_dump(raw))
+    command = [sys.executable, "-m", "conductor.cli", "export", "--config",
+               str(tmp_path / "config.yaml"), "--workdir", uri, "--date", SMALL_DATE,
+               "--run-id", run_dir.name]  # fmt: skip
+    env = {**os.environ, **s3_store.env, "RECSYS_CACHE_DIR": str(tmp_path / "cache")}
+    fault = {"RECSYS_FAULT": "storage:uploaded:embeddings:kill"}
+    killed = subprocess.run(
+        command, cwd=REPO, capture_output=True, timeout=600, env={**env, **fault}
+    )
+    assert killed.returncode == -9, killed.stderr.decode()[-2000:]
+    new = max(before["export/query"]) + 1
+    assert storage.list_files(f"{uri}/embeddings/{new}")  # uploaded in part ...
+    assert committed_versions(uri) == before  # ... and taken by no reader
+    done = subprocess.run(command, cwd=REPO, capture_output=True, timeout=600, env=env)
+    assert done.returncode == 0, done.stderr.decode()[-2000:]
+    assert all(v == [*before[base], new] for base, v in committed_versions(uri).items())
 
 
 def test_prune_keeps_the_newest_and_never_a_protected_version(tmp_path: Path) -> None:

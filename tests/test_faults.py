@@ -4,6 +4,10 @@ Every nightly here is the real CLI in its own process against a real `mlflow ser
 kill, rerunning the same date must finish with the outputs of an uninterrupted run (same
 counts, same metrics within tolerance), no duplicate MLflow run or model version, and no
 half-written export visible at any moment.
+
+The kill tests also run with the working directory in an S3 bucket (moto's server on
+127.0.0.1), where there is no rename: a kill mid-upload must leave an uncommitted version
+that no reader takes, and a rerun, here or on another machine, finishes from the bucket.
 """
 
 from __future__ import annotations
@@ -17,15 +21,18 @@ import sys
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
 import yaml
 from mlflow import MlflowClient
 
+from recsys.core import mirror, storage
 from recsys.core.layout import TEMP_PREFIXES
-from tests.conftest import SMALL, SMALL_DATE, plain
+from tests.conftest import SMALL, SMALL_DATE, plain, use_store
 from tests.mlflow_server import MlflowServer
+from tests.object_stores import ObjectStore
 
 pytestmark = pytest.mark.slow
 
@@ -51,12 +58,56 @@ def _config(root: Path, uri: str, name: str, **training: object) -> Path:
     return path
 
 
-def _start(config: Path, work: Path, *extra: str, fault: str | None = None) -> subprocess.Popen:
-    env = {k: v for k, v in os.environ.items() if k != "RECSYS_FAULT"}
+@dataclass(frozen=True)
+class Place:
+    """A working directory: a local folder, or a bucket URI worked on through a local copy."""
+
+    arg: str  # what --workdir says
+    local: Path  # where the process works: the folder itself, or the bucket's local copy
+    env: dict[str, str] = field(default_factory=dict)
+    uri: str | None = None
+
+    def elsewhere(self, cache: Path) -> Place:
+        """The same bucket workdir as another machine (another local copy) sees it."""
+        if self.uri is None:
+            return self
+        local = mirror.local_copy(self.uri, cache)
+        return Place(self.arg, local, {**self.env, "RECSYS_CACHE_DIR": str(cache)}, self.uri)
+
+    def view(self, where: Path) -> Path:
+        """What a reader finds: the folder, or the bucket's committed state pulled to `where`."""
+        if self.uri is None:
+            return self.local
+        mirror.Mirror(self.uri, where).pull()
+        return where
+
+
+@pytest.fixture(params=["local", "s3"])
+def where(request: pytest.FixtureRequest) -> str:
+    """Each kill test with a local working directory, then with one in an S3 bucket."""
+    return str(request.param)
+
+
+def _place(where: str, root: Path, request: pytest.FixtureRequest) -> Place:
+    if where == "local":
+        return Place(str(root / "work"), root / "work")
+    store: ObjectStore = request.getfixturevalue("s3_store")
+    use_store(store, request.getfixturevalue("monkeypatch"))  # this process reads it too
+    uri = f"{store.new_bucket()}/work"
+    cache = root / "machine-a"
+    env = {**store.env, "RECSYS_CACHE_DIR": str(cache)}
+    return Place(uri, mirror.local_copy(uri, cache), env, uri)
+
+
+def _start(
+    config: Path, work: Path | Place, *extra: str, fault: str | None = None
+) -> subprocess.Popen:
+    place = work if isinstance(work, Place) else Place(str(work), work)
+    env = {k: v for k, v in os.environ.items() if k != "RECSYS_FAULT"} | place.env
     if fault:
         env["RECSYS_FAULT"] = fault
     command = [sys.executable, "-m", "conductor.cli", "nightly", "--config", str(config)]
-    command += ["--workdir", str(work), "--date", DATE, *extra]
+    command += ["--workdir", place.arg, "--date", DATE, *extra]
     return subprocess.Popen(
         command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env
     )
@@ -165,6 +216,41 @@ def _seeded(root: Path, reference: dict) -> Path:
     return work
 
 
+def _seeded_place(where: str, root: Path, reference: dict, request: pytest.FixtureRequest) -> Place:
+    """`_seeded` in a local folder or in a bucket (published there as a nightly would)."""
+    place = _place(where, root, request)
+    if place.uri is None:
+        _seeded(root, reference)
+        return place
+    mirror.Mirror(place.uri, _seeded(root / "seed", reference)).push()
+    return place
+
+
+class BucketWatcher(ExportWatcher):
+    """Samples the bucket: every committed export version must hold every file it lists."""
+
+    def __init__(self, uri: str) -> None:
+        super().__init__(Path("/nonexistent"))
+        self.uri = uri
+
+    def _watch(self) -> None:
+        while not self._stop.is_set():
+            for name in MODELS:
+                base = f"{self.uri}/export/{name}"
+                for version in {n.split("/")[0] for n in storage.list_files(base)}:
+                    listed = storage.committed(f"{base}/{version}")
+                    present = storage.list_files(f"{base}/{version}")
+                    missing = [f for f, meta in (listed or {}).items()
+                               if present.get(f) != meta["size"]]  # fmt: skip
+                    if listed is not None and missing:
+                        self.problems.append(f"{base}/{version} committed without {missing}")
+            time.sleep(0.05)
+
+
+def _watcher(place: Place) -> ExportWatcher:
+    return ExportWatcher(place.local) if place.uri is None else BucketWatcher(place.uri)
+
+
 def test_a_rerun_after_success_does_nothing(
     reference: dict, server: MlflowServer, tmp_path: Path
 ) -> None:
@@ -180,47 +266,82 @@ def test_a_rerun_after_success_does_nothing(
     assert logged.read_text() == summaries[0].read_text()
 
 
-def test_killed_during_preprocessing(reference: dict, server: MlflowServer, tmp_path: Path) -> None:
-    config, work = _config(tmp_path, server.uri, "fault-pre"), tmp_path / "work"
-    proc = _start(config, work)
-    data = work / "data"
-    _kill_when(
-        proc, lambda: data.is_dir() and any(data.glob(".tmp-*/*")), "Beam wrote its first file"
-    )
-    assert not (data / DATE).exists()  # nothing published: the output is all or nothing
-    _finish(_start(config, work))
-    _assert_like_reference(work, reference["outputs"])
-    _assert_one_run_and_version(server, "fault-pre")
+def test_killed_during_preprocessing(
+    reference: dict,
+    server: MlflowServer,
+    tmp_path: Path,
+    where: str,
+    request: pytest.FixtureRequest,
+) -> None:
+    config = _config(tmp_path, server.uri, f"fault-pre-{where}")
+    place = _place(where, tmp_path, request)
+    if place.uri is None:
+        proc = _start(config, place)
+        data = place.local / "data"
+        _kill_when(
+            proc, lambda: data.is_dir() and any(data.glob(".tmp-*/*")), "Beam wrote its first file"
+        )
+        assert not (data / DATE).exists()  # nothing published: the output is all or nothing
+    else:
+        # Killed after the first file of data/<date> reached the bucket, before its marker.
+        _finish(_start(config, place, fault="storage:uploaded:data:kill"), expect=-signal.SIGKILL)
+        assert storage.list_files(f"{place.uri}/data/{DATE}")
+        assert storage.committed(f"{place.uri}/data/{DATE}") is None
+        assert not (place.view(tmp_path / "reader") / "data" / DATE).exists()
+    _finish(_start(config, place))
+    _assert_like_reference(place.view(tmp_path / "after"), reference["outputs"])
+    _assert_one_run_and_version(server, f"fault-pre-{where}")
 
 
 def test_killed_during_training_resumes(
-    reference: dict, server: MlflowServer, tmp_path: Path
+    reference: dict,
+    server: MlflowServer,
+    tmp_path: Path,
+    where: str,
+    request: pytest.FixtureRequest,
 ) -> None:
-    config, work = _config(tmp_path, server.uri, "fault-train"), _seeded(tmp_path, reference)
-    proc = _start(config, work)
-    runs = work / "runs" / DATE
+    config = _config(tmp_path, server.uri, f"fault-train-{where}")
+    place = _seeded_place(where, tmp_path, reference, request)
+    proc = _start(config, place)
+    runs = place.local / "runs" / DATE
     _kill_when(proc, lambda: any(runs.glob(".backup-*/**/checkpoint")), "a training checkpoint")
     run = next(p for p in runs.iterdir() if not p.name.startswith("."))
     assert not (run / "_SUCCESS.train").exists()
-    _, err = _finish(_start(config, work))
+    # The checkpoint stays on this machine (a bucket workdir keeps it out of the bucket).
+    _, err = _finish(_start(config, place))
     assert "stage 1/5 preprocess: already done" in err
-    _assert_like_reference(work, reference["outputs"])
-    _assert_one_run_and_version(server, "fault-train")
-    history = json.loads((run / "history.json").read_text())
+    view = place.view(tmp_path / "after")
+    _assert_like_reference(view, reference["outputs"])
+    _assert_one_run_and_version(server, f"fault-train-{where}")
+    # (In a bucket the unfinished run folder was never published: the rerun names a new one,
+    # and resumes from the checkpoint kept on this machine all the same.)
+    finished = next(p for p in (view / "runs" / DATE).iterdir() if not p.name.startswith("."))
+    history = json.loads((finished / "history.json").read_text())
     assert len(history["loss"]) == 4  # every epoch recorded, before and after the kill
 
 
 def test_killed_during_export_never_shows_half_an_export(
-    reference: dict, server: MlflowServer, tmp_path: Path
+    reference: dict,
+    server: MlflowServer,
+    tmp_path: Path,
+    where: str,
+    request: pytest.FixtureRequest,
 ) -> None:
-    config, work = _config(tmp_path, server.uri, "fault-export"), _seeded(tmp_path, reference)
-    with ExportWatcher(work) as watcher:
-        proc = _start(config, work)
-        _kill_when(proc, lambda: any((work / "export").glob(".staging-*/*")), "export staging")
-        _finish(_start(config, work))
+    config = _config(tmp_path, server.uri, f"fault-export-{where}")
+    place = _seeded_place(where, tmp_path, reference, request)
+    with _watcher(place) as watcher:
+        if place.uri is None:
+            proc = _start(config, place)
+            staging = place.local / "export"
+            _kill_when(proc, lambda: any(staging.glob(".staging-*/*")), "export staging")
+        else:  # killed after the first SavedModel file reached the bucket
+            proc = _start(config, place, fault="storage:uploaded:export:kill")
+            _finish(proc, expect=-signal.SIGKILL)
+            assert not place.view(tmp_path / "reader").joinpath("export", "query").exists()
+        _finish(_start(config, place))
     assert watcher.problems == []
-    _assert_like_reference(work, reference["outputs"])
-    _assert_one_run_and_version(server, "fault-export")
+    _assert_like_reference(place.view(tmp_path / "after"), reference["outputs"])
+    _assert_one_run_and_version(server, f"fault-export-{where}")
 
 
 def test_killed_after_publishing_one_model_reuses_its_version(
@@ -235,35 +356,53 @@ def test_killed_after_publishing_one_model_reuses_its_version(
 
 
 def test_killed_between_export_and_mlflow(
-    reference: dict, server: MlflowServer, tmp_path: Path
+    reference: dict,
+    server: MlflowServer,
+    tmp_path: Path,
+    where: str,
+    request: pytest.FixtureRequest,
 ) -> None:
-    config, work = _config(tmp_path, server.uri, "fault-mlflow"), _seeded(tmp_path, reference)
-    _finish(_start(config, work, fault="publish:before:kill"), expect=-signal.SIGKILL)
+    name = f"fault-mlflow-{where}"
+    config, place = (
+        _config(tmp_path, server.uri, name),
+        _seeded_place(where, tmp_path, reference, request),
+    )
+    _finish(_start(config, place, fault="publish:before:kill"), expect=-signal.SIGKILL)
     client = MlflowClient(server.uri)
     # Training logged its epochs to the night's run as they ended; nothing was published.
-    experiment = client.get_experiment_by_name("fault-mlflow")
+    experiment = client.get_experiment_by_name(name)
     assert experiment is not None
     (run,) = client.search_runs([experiment.experiment_id])
     assert "recsys.logged" not in run.data.tags and "loss" in run.data.metrics
-    assert client.search_registered_models("name = 'fault-mlflow'") == []
-    _, err = _finish(_start(config, work))
+    assert client.search_registered_models(f"name = '{name}'") == []
+    # A bucket workdir's rerun on another machine: it continues from what the bucket holds.
+    _, err = _finish(_start(config, place.elsewhere(tmp_path / "machine-b")))
     assert "stage 4/5 export: already done" in err
-    _assert_like_reference(work, reference["outputs"])
-    _assert_one_run_and_version(server, "fault-mlflow")
+    _assert_like_reference(place.view(tmp_path / "after"), reference["outputs"])
+    _assert_one_run_and_version(server, name)
 
 
 def test_two_nightlies_at_once_exactly_one_runs(
-    reference: dict, server: MlflowServer, tmp_path: Path
+    reference: dict,
+    server: MlflowServer,
+    tmp_path: Path,
+    where: str,
+    request: pytest.FixtureRequest,
 ) -> None:
-    config, work = _config(tmp_path, server.uri, "fault-twice"), _seeded(tmp_path, reference)
-    procs = [_start(config, work), _start(config, work)]
+    name = f"fault-twice-{where}"
+    config, place = (
+        _config(tmp_path, server.uri, name),
+        _seeded_place(where, tmp_path, reference, request),
+    )
+    # In a bucket: two machines (two local copies), so only the bucket's lock object can stop one.
+    procs = [_start(config, place), _start(config, place.elsewhere(tmp_path / "machine-b"))]
     results = [(p, *p.communicate(timeout=600)) for p in procs]
     codes = sorted(p.returncode for p, _, _ in results)
     assert codes == [0, 8], [err[-2000:] for _, _, err in results]
     loser = next(err for p, _, err in results if p.returncode == 8)
     winner = next(p for p, _, _ in results if p.returncode == 0)
     assert f"in use by pid {winner.pid}" in loser and "Traceback" not in loser
-    _assert_one_run_and_version(server, "fault-twice")
+    _assert_one_run_and_version(server, name)
 
 
 def test_disk_full_during_export_keeps_serving_the_previous_version(

@@ -1,4 +1,4 @@
-"""Tracking as production runs it: `mlflow server` on PostgreSQL with proxied artifacts and auth.
+"""Tracking as production runs it: `mlflow server` on PostgreSQL, artifacts proxied to S3, auth.
 
 A real PostgreSQL (tests/postgres_server.py: initdb + pg_ctl, skipped with the reason when the
 OS package is missing) and real `mlflow server` processes. Runs are published with the nightly's
@@ -9,6 +9,7 @@ tests/test_tracking_registry.py.
 from __future__ import annotations
 
 import configparser
+import json
 import multiprocessing
 import threading
 import time
@@ -21,12 +22,14 @@ from mlflow.entities import ViewType
 from mlflow.exceptions import MlflowException
 
 from conductor.promotion import PENDING, publish_run
+from recsys.core import storage
 from recsys.core.config import RecsysConfig
 from recsys.core.errors import TrackingError
 from recsys.core.layout import Workdir
 from recsys.tracking import registry
-from tests.conftest import SMALL
+from tests.conftest import SMALL, use_store
 from tests.mlflow_server import MlflowServer, free_port, mlflow_server
+from tests.object_stores import ObjectStore
 from tests.postgres_server import PostgresServer, count, create_database
 from tests.test_tracking_registry import DATE, PER_USER, configured, fake_run
 
@@ -34,11 +37,27 @@ pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
+def artifact_bucket(s3_store: ObjectStore) -> str:
+    """Where the server keeps artifacts: an S3 bucket (moto's server on 127.0.0.1)."""
+    return f"{s3_store.new_bucket()}/mlflow-artifacts"
+
+
+@pytest.fixture(scope="module")
 def server(
-    postgres: PostgresServer, tmp_path_factory: pytest.TempPathFactory
+    postgres: PostgresServer,
+    tmp_path_factory: pytest.TempPathFactory,
+    s3_store: ObjectStore,
+    artifact_bucket: str,
 ) -> Iterator[MlflowServer]:
+    """The production form: PostgreSQL metadata, artifacts proxied into the S3 bucket.
+
+    Only the server has the bucket's endpoint and credentials; clients upload through it.
+    """
     root = tmp_path_factory.mktemp("mlflow-pg")
-    with mlflow_server(root, backend_uri=postgres.uri, serve_artifacts=True) as running:
+    with mlflow_server(
+        root, backend_uri=postgres.uri, serve_artifacts=True,
+        artifacts_destination=artifact_bucket, env=s3_store.env,
+    ) as running:  # fmt: skip
         yield running
 
 
@@ -48,9 +67,17 @@ def _config(uri: str, model: str) -> RecsysConfig:
     return configured(parse_config(SMALL), uri, model)
 
 
-def test_publish_on_postgres_with_proxied_artifacts(
-    server: MlflowServer, postgres: PostgresServer, tmp_path: Path
+def test_publish_on_postgres_with_artifacts_proxied_to_s3(
+    server: MlflowServer,
+    postgres: PostgresServer,
+    artifact_bucket: str,
+    s3_store: ObjectStore,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
+    # The client has no S3 endpoint or credentials: every artifact goes through the server.
+    for name in s3_store.env:
+        monkeypatch.delenv(name, raising=False)
     config = _config(server.uri, "pg-first")
     workdir = Workdir(tmp_path)
     result = publish_run(config, workdir, DATE, fake_run(workdir, config, DATE, PER_USER))
@@ -59,8 +86,14 @@ def test_publish_on_postgres_with_proxied_artifacts(
     run = client.get_run(result.mlflow_run_id)
     # Proxied: the client only knows the server's artifact URI, the server stores the bytes.
     assert run.info.artifact_uri.startswith("mlflow-artifacts:")
-    stored = {p.name for p in (server.root / "artifacts").rglob("*") if p.is_file()}
+    downloaded = Path(
+        client.download_artifacts(result.mlflow_run_id, "metrics.json", str(tmp_path))
+    )
+    assert json.loads(downloaded.read_text())["model"]
+    use_store(s3_store, monkeypatch)
+    stored = {name.rsplit("/", 1)[-1] for name in storage.list_files(artifact_bucket)}
     assert {"metrics.json", "per_user_eval.parquet", "saved_model.pb"} <= stored
+    assert not (server.root / "artifacts").exists()
     # ... and the metadata lives in PostgreSQL, not in a file next to the server.
     query = f"SELECT count(*) FROM runs WHERE run_uuid = '{result.mlflow_run_id}'"
     assert count(postgres.uri, query) == 1

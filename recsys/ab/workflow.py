@@ -299,8 +299,12 @@ def analyze_experiment(
     timestamp_unit: str | None = None,
     promote: bool = False,
     log_to_mlflow: bool = True,
+    serving_base: str | None = None,
 ) -> AnalyzeResult:
-    """Analyse the log, write analysis.json + lift.png, log a run, promote if asked and won."""
+    """Analyse the log, write analysis.json + lift.png, log a run, promote if asked and won.
+
+    `serving_base` is models.config's base path (default: export.serving_base_path).
+    """
     definition, source = resolve_definition(
         config, workdir, name, events, definition_path, use_mlflow=log_to_mlflow or promote
     )
@@ -343,18 +347,23 @@ def analyze_experiment(
                 result.promoted_version = mlflow_store.promote_winner(
                     client, analysis, definition, run_id
                 )
-                result.notes += _follow_serving(client, config, workdir, definition)
+                base = serving_base or config.export.serving_base_path
+                result.notes += _follow_serving(client, config, workdir, definition, base)
     else:
         _write_json(files["json"], analysis, definition)
     return result
 
 
 def _follow_serving(
-    client: MlflowClient, config: RecsysConfig, workdir: Path, definition: ExperimentDefinition
+    client: MlflowClient,
+    config: RecsysConfig,
+    workdir: Path,
+    definition: ExperimentDefinition,
+    base_path: str | None,
 ) -> list[str]:
     """models.config and champion.json rewritten from the aliases --promote may have moved."""
     name = definition.model_name or config.model_name
-    state = sync_serving(client, name, Workdir(workdir), config.export.serving_base_path)
+    state = sync_serving(client, name, Workdir(workdir), base_path)
     return [f"serving: {problem}" for problem in state.problems]
 
 

@@ -22,6 +22,7 @@ from pydantic import (
     model_validator,
 )
 
+from recsys.core import storage
 from recsys.core.errors import ConfigError
 from recsys.core.redact import redact_tree
 
@@ -821,6 +822,35 @@ class NightlyConfig(_Strict):
         return value
 
 
+class StorageConfig(_Strict):
+    """Object storage (s3:// and gs:// paths): overrides of the standard environment.
+
+    Endpoints and regions come from the environment every AWS and Google client reads
+    (AWS_ENDPOINT_URL, AWS_DEFAULT_REGION, STORAGE_EMULATOR_HOST); set these only to override
+    it. Credentials are never read from the config: use the environment, a profile or a role.
+    """
+
+    s3_endpoint_url: str | None = Field(
+        None,
+        description="An S3-compatible server's URL; null: AWS_ENDPOINT_URL_S3, "
+        "AWS_ENDPOINT_URL, else AWS itself.",
+    )
+    s3_region: str | None = Field(
+        None, description="The S3 region; null: AWS_DEFAULT_REGION or AWS_REGION."
+    )
+    gcs_endpoint: str | None = Field(
+        None,
+        description="A GCS emulator's host:port, as STORAGE_EMULATOR_HOST; null: that "
+        "variable, else Google Cloud Storage itself.",
+    )
+    cache_dir: str | None = Field(
+        None,
+        description="Where the local copy of a working directory in a bucket lives (stages "
+        "run on it, finished versions are published to the bucket); null: $RECSYS_CACHE_DIR, "
+        "else ~/.cache/recsys.",
+    )
+
+
 # What `recsys tune` searches when the config names no `tune.space` (docs/TRAINING.md, Tuning).
 DEFAULT_TUNE_SPACE: dict[str, dict[str, Any]] = {
     "model.embedding_dim": {"choices": [32, 64, 128]},
@@ -1026,6 +1056,9 @@ class RecsysConfig(_Strict):
     gate: GateConfig = Field(GateConfig(), description="The champion/challenger gate.")
     nightly: NightlyConfig = Field(NightlyConfig(), description="Scheduling and retention.")
     tune: TuneConfig = Field(TuneConfig(), description="`recsys tune` (changes no nightly run).")
+    storage: StorageConfig = Field(
+        StorageConfig(), description="Object storage endpoints (changes no nightly run)."
+    )
     dense_log: DataShapeRule | None = Field(
         None,
         description="Settings for dense logs (many events per user); null: one set of "
@@ -1082,16 +1115,18 @@ class RecsysConfig(_Strict):
         return self._overrides
 
     def flat(self) -> dict[str, Any]:
-        """The config as dotted keys (MLflow params), without `tune` (it changes no run)."""
-        return _flatten(self.model_dump(mode="json", exclude={"tune"}))
+        """The config as dotted keys (MLflow params), without `tune` and `storage` (they change
+        no run)."""
+        return _flatten(self.model_dump(mode="json", exclude={"tune", "storage"}))
 
     def digest(self) -> str:
         """A stable hash of the config: same settings, same digest."""
         # Credentials are left out (environment-independent redaction): the digest is a public
         # tag, a guessable password must not be testable against it, and rotating a password
         # must not make a new run identity.
-        # The search space of `recsys tune` changes no nightly run: not part of its identity.
-        dump = redact_tree(self.model_dump(mode="json", exclude={"tune"}), environ={})
+        # The search space of `recsys tune` changes no nightly run: not part of its identity;
+        # nor does where the files are kept.
+        dump = redact_tree(self.model_dump(mode="json", exclude={"tune", "storage"}), environ={})
         canonical = json.dumps(dump, sort_keys=True)
         return hashlib.sha256(canonical.encode()).hexdigest()[:16]
 
@@ -1101,7 +1136,8 @@ class RecsysConfig(_Strict):
             return self
         source = self.data.source
         if source == "synthetic":
-            source = "parquet" if Path(path).suffix == ".parquet" or Path(path).is_dir() else "csv"
+            folder = storage.is_dir(path)
+            source = "parquet" if str(path).endswith(".parquet") or folder else "csv"
         data = self.data.model_copy(update={"path": str(path), "source": source})
         return self.model_copy(update={"data": data})
 

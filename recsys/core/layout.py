@@ -114,6 +114,7 @@ class WorkdirFile(StrEnum):
     CHAMPION = "champion.json"
     LOCK = ".recsys.lock"
     MODELS_CONFIG = "models.config"  # under export/
+    STUDY_STORE = "optuna.db"  # under tune/: `recsys tune`'s default study storage (SQLite)
 
 
 # The folders and files recsys writes directly under the working directory (check_links).
@@ -351,9 +352,33 @@ class Workdir:
     """Paths of every stage's inputs and outputs under one working directory.
 
     Each path is confined to the working directory (`confine`): none leads outside it.
+    `remote` is set for a working directory in object storage: `root` is then its local copy
+    (recsys.core.mirror), and `public`/`local` translate between the two.
     """
 
     root: Path
+    remote: str | None = None
+
+    def public(self, path: Path | str) -> str:
+        """Where `path` (under root) is for everyone else: its URI in the bucket, or itself."""
+        path = Path(path)
+        if self.remote is None or not path.is_relative_to(self.root):
+            return str(path.resolve()) if self.remote is None else str(path)
+        relative = path.relative_to(self.root).as_posix()
+        return self.remote if relative == "." else f"{self.remote}/{relative}"
+
+    def serving_base(self, configured: str | None) -> str | None:
+        """models.config's base path: export.serving_base_path, else the bucket's export/."""
+        return configured or (f"{self.remote}/export" if self.remote is not None else None)
+
+    def local(self, ref: str) -> Path:
+        """The local path of something `public` named (a URI inside this workdir, or a path)."""
+        if self.remote is not None and (ref == self.remote or ref.startswith(self.remote + "/")):
+            parts = [p for p in ref[len(self.remote) :].split("/") if p]
+            if ".." in parts:
+                raise ConfigError(f"{ref}: '..' has no meaning in an object storage path")
+            return self.path(*parts)
+        return Path(ref)
 
     def path(self, *parts: str) -> Path:
         """`root/parts...`, refused (ConfigError) if a symbolic link leads outside the root."""
@@ -415,13 +440,37 @@ class Workdir:
 
     def study_store(self) -> Path:
         """The default Optuna storage (SQLite) of every search run in this working directory."""
-        return self.root / "tune" / "optuna.db"
+        return self.root / "tune" / WorkdirFile.STUDY_STORE
 
     def champion_file(self) -> Path:
         return self.path(WorkdirFile.CHAMPION)
 
     def models_config(self) -> Path:
         return self.path("export", WorkdirFile.MODELS_CONFIG)
+
+
+# The folders published whole (locally by one rename, in a bucket with a commit marker):
+# top-level folder -> depth of its version folders, e.g. runs/<date>/<run_id> is 3.
+VERSION_DEPTHS = {"data": 2, "runs": 3, "export": 3, "embeddings": 2, "tune": 3}
+
+
+def version_folder(relative: str) -> str | None:
+    """The version folder (relative, `/`-separated) a workdir file belongs to; None if none.
+
+    `data/<date>`, `runs/<date>/<run_id>`, `export/<model>/<int>`, `embeddings/<int>` and
+    `recsys tune`'s `tune/<date>/data-<digest>`; hidden names (checkpoints, temporaries,
+    `export/.checksums`) are never part of one.
+    """
+    parts = relative.split("/")
+    depth = VERSION_DEPTHS.get(parts[0])
+    if depth is None or len(parts) <= depth or any(p.startswith(".") for p in parts[1:depth]):
+        return None
+    last = parts[depth - 1]
+    if parts[0] in ("export", "embeddings") and not last.isdigit():
+        return None
+    if parts[0] == "tune" and not last.startswith("data-"):
+        return None
+    return "/".join(parts[:depth])
 
 
 def new_run_id(config_digest: str) -> str:
@@ -488,23 +537,25 @@ def temp_name(kind: str, what: str) -> str:
     return temp_prefix(kind, what) + uuid.uuid4().hex[:8]
 
 
-def left_by_dead_process(path: Path) -> bool:
-    """A temporary folder of recsys's own naming whose process is gone (or is this one).
+def left_by_dead_process(path: Path, files: bool = False) -> bool:
+    """A temporary folder (with `files`, or file) of recsys's own naming whose process is
+    gone (or is this one).
 
     Anything else (a look-alike name, a symbolic link, a live process's folder) is not ours
     to delete.
     """
     match = _TEMP_NAME.match(path.name)
-    if match is None or path.is_symlink() or not path.is_dir():
+    if match is None or path.is_symlink() or not (path.is_dir() or (files and path.is_file())):
         return False
     pid = int(match.group(1))
-    return pid == os.getpid() or not _process_alive(pid)
+    return pid == os.getpid() or not process_alive(pid)
 
 
-def _process_alive(pid: int) -> bool:
+def process_alive(pid: int) -> bool:
+    """Whether a process with this id exists on this host (owned by anyone)."""
     try:
         os.kill(pid, 0)
-    except ProcessLookupError:
+    except (ProcessLookupError, OverflowError):
         return False
     except PermissionError:
         return True  # exists, owned by another user
