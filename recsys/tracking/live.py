@@ -13,7 +13,9 @@ epoch's wall time, validation included); a `training.refit` fit logs them prefix
 - A fit that starts over on a run whose series already reaches that epoch (a retrain of an
   unpublished run: `--rerun-from train`, a lost checkpoint) supersedes it: the old run is
   deleted (restorable with `mlflow runs restore`) and a new one with the same identity is
-  created, so one run never holds two trainings' points at one step.
+  created, so one run never holds two trainings' points at one step. A training that starts
+  again in another run folder of this workdir (a bucket workdir names one per attempt)
+  supersedes the unpublished runs the earlier attempts left RUNNING the same way.
 - A run that is already published is left alone (publishing would not change it either).
 - The tracking store is optional while training: on the first failure a warning is logged
   once and live logging stops; publishing logs the history file as before.
@@ -45,8 +47,10 @@ from recsys.tracking.runs import (
     metric_key,
     nightly_run,
     nightly_run_tags,
+    owner_tags,
     redact_credentials,
     resolve_tracking_uri,
+    supersede_unpublished,
 )
 
 log = logging.getLogger(__name__)
@@ -75,7 +79,10 @@ class EpochMetricsLogger(tf.keras.callbacks.Callback):
         super().__init__()
         self._config, self._workdir, self._date, self._stats = config, workdir, run_date, stats
         # The run folder is part of the run's identity: publishing finds this run by it.
-        self._extra = {} if run_folder is None else {RUN_FOLDER_TAG: run_folder}
+        # The owner (host, workdir, pid) lets a later attempt and `recsys repair` find it.
+        self._extra = owner_tags(workdir)
+        if run_folder is not None:
+            self._extra[RUN_FOLDER_TAG] = run_folder
         self._uri = tracking_uri or resolve_tracking_uri(config, workdir)
         self._client: MlflowClient | None = None
         self._experiment_id = ""
@@ -132,6 +139,12 @@ class EpochMetricsLogger(tf.keras.callbacks.Callback):
             return
         self._client, self.run_id = client, run_id
         log.info("logging each epoch to MLflow run %s", run_id)
+        for stale in supersede_unpublished(client, self._experiment_id, tags, keep=run_id):
+            log.info(
+                "MLflow run %s (an unpublished training of this date, config and data in "
+                "another run folder) deleted: this training replaces it",
+                stale,
+            )
 
     def _supersede_if_restarted(self, epoch: int) -> None:
         assert self._client is not None and self.run_id is not None

@@ -197,6 +197,38 @@ def end_abandoned_runs(client: MlflowClient, workdir: Path, *, dry_run: bool = F
     return lines
 
 
+def supersede_unpublished(
+    client: MlflowClient, experiment_id: str, run_tags: Mapping[str, str], keep: str
+) -> list[str]:
+    """Delete the runs a training of this workdir left unpublished in another run folder.
+
+    Same identity (date, config, data) and owner (host and workdir, whose lock the caller
+    holds), still RUNNING, never completely logged, another run folder: a training that was
+    stopped and now starts again in a new folder (a bucket workdir names one per attempt).
+    Returns the deleted run ids (restorable with `mlflow runs restore`).
+    """
+    if OWNER_TAG not in run_tags:
+        return []
+    keys = [*IDENTITY_TAGS, OWNER_TAG]
+    query = " and ".join(f"tags.`{key}` = '{run_tags[key]}'" for key in keys)
+    runs = client.search_runs(
+        [experiment_id],
+        filter_string=f"{query} and attributes.status = 'RUNNING'",
+        run_view_type=ViewType.ACTIVE_ONLY,
+    )
+    stale = [
+        run.info.run_id
+        for run in runs
+        if run.info.run_id != keep
+        and run.data.tags.get(LOGGED_TAG) != "true"
+        and run.data.tags.get(RUN_FOLDER_TAG) != run_tags.get(RUN_FOLDER_TAG)
+    ]
+    for run_id in stale:
+        client.set_tag(run_id, "recsys.superseded", "true")
+        client.delete_run(run_id)
+    return stale
+
+
 def experiment_name(config: RecsysConfig) -> str:
     """The MLflow experiment of a model's nightly runs: tracking.experiment, else model_name."""
     return config.tracking.experiment or config.model_name
