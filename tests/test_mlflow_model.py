@@ -32,7 +32,7 @@ from mlflow import MlflowClient
 from conductor import cli
 from conductor.promotion import _gate_against
 from recsys.core.config import parse_config
-from recsys.core.layout import RunFile
+from recsys.core.layout import RunFile, Workdir
 from recsys.tracking import registry
 from tests.conftest import SMALL, SMALL_DATE
 from tests.mlflow_server import MlflowServer, free_port, mlflow_executable, stop_group
@@ -206,7 +206,9 @@ def test_a_champion_registered_before_mlflow_models_is_still_gated(night: Night)
     run_dir = Path(run.data.tags["run_dir"])
     data_dir = Path(run.data.tags["data_dir"])
     config = parse_config(yaml.safe_load((run_dir / RunFile.CONFIG).read_text()))
-    decision = _gate_against(client, config, run_dir, data_dir, legacy, force=False)
+    decision = _gate_against(
+        client, config, Workdir(night.work), run_dir, data_dir, legacy, force=False
+    )
     assert decision.primary is not None, decision.reasons  # compared, not "cannot load"
     assert decision.primary.delta == 0.0  # the same model on the same users
 
