@@ -18,8 +18,8 @@ import apache_beam as beam
 from apache_beam.typehints import no_annotations
 
 from beam_jobs.records import Rejection
+from recsys.core.layout import TFRECORD_SUFFIX
 
-TFRECORD_SUFFIX = ".tfrecord.gz"
 REJECTED_DIR = "rejected"
 REJECTED_PREFIX = "rejected"
 REJECTED_SUFFIX = ".jsonl"

@@ -23,6 +23,7 @@ from beam_jobs.inputs import InputFile
 from beam_jobs.vocab import ITEM_FEATURES_FILE, ITEMS_FILE, VOCAB_DIR
 from recsys.core.errors import StageFailedError
 from recsys.core.layout import DataFile
+from recsys.core.records import FORMAT_VERSION, StatsRecord
 from recsys.core.schema import SPLITS
 
 STATS_FILE = DataFile.STATS
@@ -132,6 +133,8 @@ def assemble_stats(
     after_read = input_rows - sum(n for k, n in by_reason.items() if k in READ_REASONS)
     after_validation = after_read - sum(n for k, n in by_reason.items() if k in VALIDATION_REASONS)
     stats: dict[str, Any] = {
+        "record": StatsRecord.KIND,
+        "format_version": FORMAT_VERSION,
         "run_date": run_date.isoformat(),
         "input_lines": input_lines,
         "lines": {kind: counts.get(LINES_KEY + kind, 0) for kind in LINE_KINDS},
@@ -178,7 +181,9 @@ def _length_buckets(counts: dict[str, int]) -> dict[str, int]:
 
 def fingerprint(stats: dict[str, Any]) -> str:
     """sha256 of the sorted input files (path, size) and the counts: same input, same value."""
-    content = {k: v for k, v in stats.items() if k not in ("fingerprint", "input_files")}
+    # Of the data, not of the file's format: a new format version keeps the fingerprint.
+    skip = ("fingerprint", "input_files", "record", "format_version")
+    content = {k: v for k, v in stats.items() if k not in skip}
     files = sorted((f["path"], f["bytes"]) for f in stats["input_files"])
     canonical = json.dumps({"files": files, "counts": content}, sort_keys=True)
     return hashlib.sha256(canonical.encode()).hexdigest()
@@ -217,8 +222,15 @@ def check_reconciled(stats: dict[str, Any]) -> None:
 def write_stats(_: Any, out_dir: str, **parts: Any) -> dict[str, Any]:
     """Assemble stats from the side inputs and write stats.json; returns the stats."""
     stats = assemble_stats(**parts)
-    Path(out_dir, STATS_FILE).write_text(json.dumps(stats, indent=2) + "\n", encoding="utf-8")
+    _write(Path(out_dir), stats)
     return stats
+
+
+def _write(out_dir: Path, stats: dict[str, Any]) -> None:
+    """stats.json, checked against its record type first (a bug here fails this run, not the
+    stage that reads it)."""
+    StatsRecord.model_validate(stats)
+    (out_dir / STATS_FILE).write_text(json.dumps(stats, indent=2) + "\n", encoding="utf-8")
 
 
 class WriteStats(beam.PTransform):
@@ -304,7 +316,7 @@ def add_drift(stats: dict[str, Any], out_dir: Path, output_dir: Path) -> dict[st
             if "popularity" in before
             else None,
         }
-    (out_dir / STATS_FILE).write_text(json.dumps(stats, indent=2) + "\n", encoding="utf-8")
+    _write(out_dir, stats)
     return stats
 
 

@@ -24,7 +24,7 @@ VOCAB_DIR = DataFile.VOCAB
 USERS_FILE = "users.txt"
 ITEMS_FILE = "items.txt"
 ITEM_FEATURES_FILE = DataFile.ITEM_FEATURES
-USER_FEATURES_FILE = "user_features.parquet"
+USER_FEATURES_FILE = DataFile.USER_FEATURES
 USER_ID_COLUMN = "user_id"
 ITEM_FEATURES_SCHEMA = pa.schema(
     [

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import sys
 from collections.abc import Sequence
@@ -12,18 +11,17 @@ from typing import Any
 
 import yaml
 
-from recsys.core.auto import DataShape
 from recsys.core.config import RecsysConfig, load_config, set_values
 from recsys.core.errors import (
     ACCESS_ERRNOS,
     ConfigError,
-    DataError,
     RecsysError,
     StorageError,
     storage_errno,
 )
-from recsys.core.layout import STAGES, DataFile, parse_date, require_complete
+from recsys.core.layout import STAGES, parse_date, require_complete
 from recsys.core.logs import configure_logging
+from recsys.core.records import read_stats
 from recsys.core.redact import redact_text
 from recsys.core.resolve import format_settings, resolve_config
 
@@ -272,15 +270,7 @@ def _show_config(config: RecsysConfig, data: str | None) -> str:
     """`recsys config show`: the resolved settings, decided from `data`'s stats.json if given."""
     stats = None
     if data:
-        stats_path = require_complete(Path(data), "recsys preprocess") / DataFile.STATS
-        try:
-            stats = json.loads(stats_path.read_text())
-            DataShape.from_stats(stats)  # what the rules read
-        except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
-            raise DataError(
-                f"{stats_path}: not the stats.json `recsys preprocess` writes ({exc!r}); "
-                "give --data a folder that `recsys preprocess` wrote"
-            ) from None
+        stats = read_stats(require_complete(Path(data), "recsys preprocess")).as_dict()
     return format_settings(resolve_config(config, stats))
 
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import datetime as dt
-import json
 import os
 import sys
 import tempfile
@@ -30,7 +29,6 @@ from recsys.core.config import MAX_COUNT, MAX_SECONDS, MAX_WORKERS, RecsysConfig
 from recsys.core.errors import ConfigError
 from recsys.core.layout import (
     SUCCESS,
-    DataFile,
     RunFile,
     Workdir,
     clean_temporaries,
@@ -38,6 +36,7 @@ from recsys.core.layout import (
     temp_prefix,
 )
 from recsys.core.progress import shown
+from recsys.core.records import MetricsRecord, read_export, read_metrics, read_stats
 from recsys.tracking.compare import compare, format_table
 from recsys.tracking.runs import check_tracking_store, record_ab_metric
 from recsys.training.trainer import is_chief
@@ -371,15 +370,14 @@ def _print_nightly(result: NightlyResult, workdir: Workdir) -> None:
     if not result.finished:
         print(f"stopped:     after {last} (--until); the same command without it continues")
         return
-    exported = json.loads((result.run / RunFile.EXPORT).read_text())
-    for name, path in exported.get("models", {}).items():
+    exported = read_export(result.run)
+    for name, path in exported.models.items():
         print(f"savedmodel:  {name} -> {path}")
-    for name, path in exported.get("embeddings", {}).items():
+    for name, path in exported.embeddings.items():
         print(f"embeddings:  {name} -> {path}")
     publish = result.info("publish")
     print(f"mlflow run:  {publish.get('mlflow_run_id')}")
-    metrics = json.loads((result.run / RunFile.METRICS).read_text())
-    _print_metrics(metrics)
+    _print_metrics(read_metrics(result.run))
     print(
         f"registered:  version {publish.get('registered_version')} "
         f"(champion now: {publish.get('champion_version')})"
@@ -415,7 +413,7 @@ def _print_checks(checks: list[dict[str, Any]]) -> None:
 
 
 def _read_stats(data_dir: Path) -> dict[str, Any]:
-    return json.loads((data_dir / DataFile.STATS).read_text())
+    return read_stats(data_dir).as_dict()
 
 
 def _print_stats(out: Path | str, stats: dict[str, Any]) -> None:
@@ -438,12 +436,12 @@ def _print_export(exported: stages.ExportResult, workdir: Workdir) -> None:
         print("verified:    fresh-process reload matches the in-memory model")
 
 
-def _print_metrics(report: dict[str, Any]) -> None:
-    model, baselines = report["model"], report.get("baselines", {})
+def _print_metrics(report: MetricsRecord) -> None:
+    model, baselines = report.model, report.baselines
     names = [k for k in model if k != "eval_users"]
     header = f"{'metric':<16}{'model':>10}" + "".join(f"{b:>12}" for b in baselines)
-    print(f"test metrics ({int(model.get('eval_users', 0))} users; {report.get('protocol', '')})")
-    if report.get("evaluated_model") == "eval_model":
+    print(f"test metrics ({int(model.get('eval_users', 0))} users; {report.protocol})")
+    if report.evaluated_model == "eval_model":
         print(
             "             model = the evaluation fit (train split); the served refit also "
             "trained on the test split (training.refit: all)"

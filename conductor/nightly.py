@@ -47,7 +47,6 @@ from recsys.core.errors import (
 from recsys.core.faults import fault_point
 from recsys.core.layout import (
     STAGES,
-    DataFile,
     RunFile,
     Workdir,
     WorkdirFile,
@@ -59,6 +58,14 @@ from recsys.core.layout import (
     stage_info,
 )
 from recsys.core.progress import shown
+from recsys.core.records import (
+    RecordError,
+    RunKeyRecord,
+    read_metrics,
+    read_record,
+    read_stats,
+    write_record,
+)
 from recsys.serving_state import champion_record
 from recsys.tracking.live import EpochMetricsLogger
 from recsys.tracking.runs import check_tracking_store, connect, log_file_redacted
@@ -213,13 +220,14 @@ class _Nightly:
             return NightlyResult(self.date, data_dir, None, self.outcomes, finished=False)
         run_dir = self._run_dir(data_dir, fresh="train" in redo)
         self.run_dir = run_dir
-        for name, action in (
-            ("train", self._train),
-            ("evaluate", self._evaluate),
-            ("export", self._export),
-            ("publish", self._publish),
-        )[:last]:
-            self._stage(name, redo, action)
+        actions = {
+            "train": self._train,
+            "evaluate": self._evaluate,
+            "export": self._export,
+            "publish": self._publish,
+        }
+        for name in STAGES[1 : last + 1]:  # the declared order (recsys.core.layout.STAGE_SPECS)
+            self._stage(name, redo, actions[name])
         result = NightlyResult(self.date, data_dir, run_dir, self.outcomes)
         if last < len(STAGES) - 1:
             result.finished = False
@@ -313,27 +321,25 @@ class _Nightly:
 
     def _run_dir(self, data_dir: Path, fresh: bool) -> Path:
         """This date's run folder for the config and data: the existing one, else a new one."""
-        key = {
-            "config_digest": self.config.digest(),
-            "data_fingerprint": _fingerprint(data_dir),
-        }
+        key = RunKeyRecord(
+            config_digest=self.config.digest(), data_fingerprint=read_stats(data_dir).fingerprint
+        )
         runs = self.workdir.runs(self.date)
         for candidate in sorted(runs.iterdir(), reverse=True) if runs.is_dir() else []:
             if not candidate.is_dir():  # an operator's note or a download beside the runs
                 continue
-            path = candidate / RUN_KEY
             # A fresh run (train redone) may still take a folder whose training never finished.
             trained = stage_info(candidate, "train") is not None
-            if path.is_file() and json.loads(path.read_text()) == key and not (fresh and trained):
+            if _run_key(candidate) == key and not (fresh and trained):
                 return candidate
         run_dir = self.workdir.run(self.date, new_run_id(self.config.digest()))
         run_dir.mkdir(parents=True)
-        (run_dir / RUN_KEY).write_text(json.dumps(key, sort_keys=True) + "\n")
+        write_record(run_dir / RUN_KEY, key)
         self._created_run_dir = True
         return run_dir
 
     def _train(self) -> dict[str, Any]:
-        stats = json.loads((self.workdir.data(self.date) / DataFile.STATS).read_text())
+        stats = read_stats(self.workdir.data(self.date)).as_dict()
         # The night's MLflow run is opened now, so each epoch can be watched as it ends.
         callbacks: list[Any] = [
             EpochMetricsLogger(
@@ -369,7 +375,7 @@ class _Nightly:
 
     def _evaluate(self) -> dict[str, Any]:
         _, report = stages.evaluate(self.config, self.workdir, self.date, self.run_dir.name)
-        return {"metrics": report["model"]}
+        return {"metrics": report.model}
 
     def _export(self) -> dict[str, Any]:
         # export.verify decides, as for `recsys export` (stages.export warns when it is off).
@@ -417,8 +423,16 @@ class _Nightly:
                 log.info("retention: removed %s", ", ".join(str(p) for p in removed))
 
 
-def _fingerprint(data_dir: Path) -> str | None:
-    return json.loads((data_dir / DataFile.STATS).read_text()).get("fingerprint")
+def _run_key(run_dir: Path) -> RunKeyRecord | None:
+    """The run folder's nightly.json; None for none, or one of an earlier release (the night
+    then trains in a new folder rather than guess what the old one was for)."""
+    if not (run_dir / RUN_KEY).is_file():
+        return None
+    try:
+        return read_record(RunKeyRecord, run_dir / RUN_KEY)
+    except RecordError as exc:
+        log.warning("run folder %s not reused: %s", run_dir, exc)
+        return None
 
 
 def _failed(stage: str, exc: BaseException) -> StageFailedError:
@@ -535,12 +549,11 @@ def write_summary(result: NightlyResult) -> Path:
 
 def _metrics_table(run_dir: Path, metrics: dict[str, float]) -> list[str]:
     """Test metrics next to the baselines measured under the same protocol (metrics.json)."""
-    report_path = run_dir / RunFile.METRICS
-    report = json.loads(report_path.read_text()) if report_path.is_file() else {}
-    baselines = report.get("baselines", {})
+    report = read_metrics(run_dir)
+    baselines = report.baselines
     users = int(metrics.get("eval_users", 0))
     lines = [
-        f"## Test metrics ({users} users; {report.get('protocol', 'see docs/PROTOCOL.md')})",
+        f"## Test metrics ({users} users; {report.protocol})",
         "",
         "| metric | model | " + " | ".join(baselines) + " |",
         "|---|---|" + "---|" * len(baselines),

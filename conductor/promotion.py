@@ -24,13 +24,21 @@ from mlflow.entities.model_registry import ModelVersion
 from recsys.core.config import RecsysConfig
 from recsys.core.errors import StageNotReadyError, TrackingError
 from recsys.core.layout import (
-    DataFile,
     ModelFile,
     RunDir,
     RunFile,
     Workdir,
     missing_inputs,
     temp_prefix,
+)
+from recsys.core.records import (
+    ExportRecord,
+    MetricsRecord,
+    TrainRecord,
+    read_export,
+    read_metrics,
+    read_stats,
+    read_train,
 )
 from recsys.core.redact import redact_text, redact_tree
 from recsys.core.resolve import mlflow_params, read_settings
@@ -82,9 +90,8 @@ def device_layout(trained: Any) -> dict[str, str]:
 
 
 def _device_of_run(run_dir: Path) -> dict[str, str]:
-    """The device layout train.json recorded (newer trainers write it), else the default."""
-    train = json.loads((run_dir / RunFile.TRAIN).read_text())
-    return {key: str(train.get(key) or default) for key, default in DEFAULT_DEVICE.items()}
+    """The device layout train.json recorded."""
+    return read_train(run_dir).device()
 
 
 def pending_runs(workdir: Workdir, date: dt.date) -> list[Path]:
@@ -135,6 +142,29 @@ def publish_run(
     return result
 
 
+@dataclass(frozen=True)
+class RunRecords:
+    """What publishing reads back from a finished run folder (its typed stage records)."""
+
+    run_dir: Path
+    data_dir: Path
+    train: TrainRecord
+    metrics: MetricsRecord
+    exported: ExportRecord
+
+    @classmethod
+    def read(cls, run_dir: Path, workdir: Workdir) -> RunRecords:
+        """The run's train, metrics and export records (RecordError if one is not current)."""
+        train = read_train(run_dir)
+        return cls(
+            run_dir,
+            workdir.local(train.data_dir),
+            train,
+            read_metrics(run_dir),
+            read_export(run_dir),
+        )
+
+
 def _publish(
     config: RecsysConfig,
     workdir: Workdir,
@@ -143,17 +173,101 @@ def _publish(
     state: dict[str, Any],
     uri: str,
 ) -> PublishResult:
-    train_info = _read(run_dir / RunFile.TRAIN)
-    data_dir = workdir.local(train_info["data_dir"])
-    report = _read(run_dir / RunFile.METRICS)
-    exported = _read(run_dir / RunFile.EXPORT)
-    metrics = {f"test_{k}": v for k, v in report["model"].items()}
-    for baseline, values in report.get("baselines", {}).items():
+    """Record -> register -> decide -> move the aliases -> write the serving config.
+
+    Invariant: the registry's aliases are the only truth about what serves; champion.json and
+    models.config are rewritten from them last. Crash behaviour: every step is idempotent, so
+    the rerun (or `recsys sync`) repeats them all: the MLflow run is found again by its run
+    folder tag, the version by its run id, the gate's decision is the one recorded on the run
+    (unless forcing over a "keep"), and the aliases are set to the values they should have.
+    """
+    run = RunRecords.read(run_dir, workdir)
+    run_id = _record_run(config, workdir, date, run, state, uri)
+    client = connect(config, workdir.root, uri)
+    name = config.model_name
+    version = registry.register_run(client, name, run_id)
+    champion = registry.alias_version(client, name, registry.CHAMPION)
+    if champion is not None and (legacy := registry.legacy_reason(name, champion)):
+        log.warning("champion: %s", legacy)
+    decision = _decide(
+        client, config, workdir, run, run_id, version, champion, bool(state["force_promote"])
+    )
+    if decision.promote:
+        registry.set_alias(client, name, registry.CHAMPION, version.version)
+    notes = [note] if (note := move_challenger(client, name, version, date)) else []
+    now_champion = registry.alias_version(client, name, registry.CHAMPION)
+    sync_serving(client, name, workdir, config.export.serving_base_path)
+    log.info("%s (version %s of %s)", decision.summary(), version.version, name)
+    return PublishResult(
+        run_id,
+        str(version.version),
+        decision,
+        str(now_champion.version) if now_champion else "none",
+        notes,
+    )
+
+
+def _record_run(
+    config: RecsysConfig,
+    workdir: Workdir,
+    date: dt.date,
+    run: RunRecords,
+    state: dict[str, Any],
+    uri: str,
+) -> str:
+    """Log the run to MLflow (metrics, params, artifacts, tags, the MLflow Model); its id.
+
+    Idempotent: the MLflow run of this run folder is reused (its run_folder tag), so a rerun
+    after a crash completes the same run instead of logging a second one.
+    """
+    run_dir, data_dir, exported = run.run_dir, run.data_dir, run.exported
+    metrics = {f"test_{k}": v for k, v in run.metrics.model.items()}
+    for baseline, values in run.metrics.baselines.items():
         metrics.update({f"{baseline}_{k}": v for k, v in values.items()})
     metrics.update(state["timings"])
-    metrics["train_examples_per_second"] = float(train_info.get("examples_per_second", 0.0))
-    metrics["train_loop_seconds"] = float(train_info.get("seconds", 0.0))
-    metrics["model_version"] = float(exported["version"])
+    metrics["train_examples_per_second"] = run.train.examples_per_second
+    metrics["train_loop_seconds"] = run.train.seconds
+    metrics["model_version"] = float(exported.version)
+    resolved = run_dir / RunFile.RESOLVED_CONFIG
+    evaluated = RunDir(run_dir).evaluated_model
+    # Paths as everyone else finds them: local paths, or URIs for a workdir in a bucket.
+    tags = {
+        # One MLflow run (and registered version) per run folder: a rerun that trains again
+        # (--rerun-from train or earlier) is a new candidate, not the old run (runs.py).
+        RUN_FOLDER_TAG: run_dir.name,
+        "run_dir": workdir.public(run_dir),
+        "model_path": workdir.public(run_dir / RunFile.MODEL),
+        # The model a later gate scores as champion (the served one unless it saw the test).
+        "evaluated_model": evaluated.name,
+        "evaluated_model_path": workdir.public(evaluated),
+        "data_dir": workdir.public(data_dir),
+        "model_version": str(exported.version),
+        **{f"device.{k}": str(v) for k, v in state["device"].items()},
+        # What the config's dense_log rule changed for this log ({}: nothing); the params hold
+        # every value as trained, and `written.<key>` the value it replaced.
+        "dense_log_settings": json.dumps(run.train.dense_log_settings, sort_keys=True),
+        **owner_tags(workdir.root),
+    }
+    return log_nightly_run(
+        config,
+        workdir=workdir.root,
+        run_date=date,
+        stats=read_stats(data_dir).as_dict(),
+        history=_read(run_dir / RunFile.HISTORY),
+        metrics=metrics,
+        artifacts=_run_artifacts(config, workdir, run),
+        tags=tags,
+        dataset_source=workdir.public(data_dir),
+        tracking_uri=uri,
+        params=mlflow_params(read_settings(resolved)) if resolved.is_file() else None,
+    )
+
+
+def _run_artifacts(config: RecsysConfig, workdir: Workdir, run: RunRecords) -> list[Artifact]:
+    """The files logged with the run: its records, both models, the SavedModels, the
+    embeddings' manifest (not the vectors: they live in embeddings/<version>/) and the
+    retrieval SavedModel as an MLflow Model, which is what gets registered."""
+    run_dir, exported = run.run_dir, run.exported
     resolved = run_dir / RunFile.RESOLVED_CONFIG
     artifacts: list[Artifact] = [
         run_dir / RunFile.CONFIG,
@@ -167,82 +281,47 @@ def _publish(
     evaluated = RunDir(run_dir).evaluated_model
     if evaluated.name == RunFile.EVAL_MODEL:
         artifacts.append((evaluated, EVALUATION_MODEL_ARTIFACT))
-    # The embeddings' own manifest (dim, hashes, checksums: serving_export.manifest), not the
-    # vectors: they can be large and live in the workdir's embeddings/<version>/.
-    if exported.get("embeddings_manifest"):
-        artifacts.append((workdir.local(exported["embeddings_manifest"]), EMBEDDINGS_ARTIFACTS))
+    artifacts.append((workdir.local(exported.embeddings_manifest), EMBEDDINGS_ARTIFACTS))
     artifacts += [
         (workdir.local(path), f"{registry.SAVEDMODELS}/{name}")
-        for name, path in exported["models"].items()
+        for name, path in exported.models.items()
     ]
-    # What is registered: the retrieval SavedModel as an MLflow Model (pyfunc).
-    retrieval = workdir.local(exported["models"]["retrieval"])
-    mlflow_model = run_mlflow_model(run_dir, data_dir, retrieval, config.export.top_k)
+    retrieval = workdir.local(exported.models["retrieval"])
+    mlflow_model = run_mlflow_model(run_dir, run.data_dir, retrieval, config.export.top_k)
     artifacts.append((mlflow_model, registry.MLFLOW_MODEL))
-    # Paths as everyone else finds them: local paths, or URIs for a workdir in a bucket.
-    tags = {
-        # One MLflow run (and registered version) per run folder: a rerun that trains again
-        # (--rerun-from train or earlier) is a new candidate, not the old run (runs.py).
-        RUN_FOLDER_TAG: run_dir.name,
-        "run_dir": workdir.public(run_dir),
-        "model_path": workdir.public(run_dir / RunFile.MODEL),
-        # The model a later gate scores as champion (the served one unless it saw the test).
-        "evaluated_model": evaluated.name,
-        "evaluated_model_path": workdir.public(evaluated),
-        "data_dir": workdir.public(data_dir),
-        "model_version": str(exported["version"]),
-        **{f"device.{k}": str(v) for k, v in state["device"].items()},
-        # What the config's dense_log rule changed for this log ({}: nothing); the params hold
-        # every value as trained, and `written.<key>` the value it replaced.
-        "dense_log_settings": json.dumps(train_info.get("dense_log_settings", {}), sort_keys=True),
-        **owner_tags(workdir.root),
-    }
-    run_id = log_nightly_run(
-        config,
-        workdir=workdir.root,
-        run_date=date,
-        stats=_read(data_dir / DataFile.STATS),
-        history=_read(run_dir / RunFile.HISTORY),
-        metrics=metrics,
-        artifacts=artifacts,
-        tags=tags,
-        dataset_source=workdir.public(data_dir),
-        tracking_uri=uri,
-        params=mlflow_params(read_settings(resolved)) if resolved.is_file() else None,
-    )
-    client = connect(config, workdir.root, uri)
-    name = config.model_name
-    version = registry.register_run(client, name, run_id)
-    champion = registry.alias_version(client, name, registry.CHAMPION)
-    if champion is not None and (legacy := registry.legacy_reason(name, champion)):
-        log.warning("champion: %s", legacy)
+    return artifacts
+
+
+def _decide(
+    client: MlflowClient,
+    config: RecsysConfig,
+    workdir: Workdir,
+    run: RunRecords,
+    run_id: str,
+    version: ModelVersion,
+    champion: ModelVersion | None,
+    force: bool,
+) -> gate.GateDecision:
+    """The gate's decision for this version, recorded on its MLflow run and in gate.json.
+
+    Invariant: one decision per run. A rerun returns the recorded one (its statistics are not
+    recomputed on a champion that may have moved since), except that --force-promote
+    overrides a recorded "keep". The first model is promoted without comparison.
+    """
     recorded = _recorded_decision(client, run_id)
-    force = bool(state["force_promote"])
     if recorded is not None and not (force and not recorded.promote):
-        decision = recorded  # a rerun: the gate already decided for this run
-        log.info("gate already decided for run %s: %s", run_id, decision.decision)
+        log.info("gate already decided for run %s: %s", run_id, recorded.decision)
+        return recorded
+    if champion is None:
+        decision = gate.first_model_decision()
+    elif str(champion.version) == str(version.version):
+        decision = gate.GateDecision(True, [f"version {version.version} is already champion"])
     else:
-        if champion is None:
-            decision = gate.first_model_decision()
-        elif str(champion.version) == str(version.version):
-            decision = gate.GateDecision(True, [f"version {version.version} is already champion"])
-        else:
-            decision = _gate_against(client, config, workdir, run_dir, data_dir, champion, force)
-        _log_decision(client, run_id, run_dir, decision, champion)
-        if decision.promote:
-            registry.set_alias(client, name, registry.CHAMPION, version.version)
-    notes = [note] if (note := move_challenger(client, name, version, date)) else []
-    now_champion = registry.alias_version(client, name, registry.CHAMPION)
-    # models.config and champion.json follow the aliases (recsys.serving_state).
-    sync_serving(client, name, workdir, config.export.serving_base_path)
-    log.info("%s (version %s of %s)", decision.summary(), version.version, name)
-    return PublishResult(
-        run_id,
-        str(version.version),
-        decision,
-        str(now_champion.version) if now_champion else "none",
-        notes,
-    )
+        decision = _gate_against(
+            client, config, workdir, run.run_dir, run.data_dir, champion, force
+        )
+    _log_decision(client, run_id, run.run_dir, decision, champion)
+    return decision
 
 
 def sync_serving_state(
@@ -332,7 +411,7 @@ def _gate_against(
         b,
         config.gate,
         champion_summary=summary,
-        challenger_summary=_read(run_dir / RunFile.METRICS)["model"],
+        challenger_summary=read_metrics(run_dir).model,
         force=force,
     )
     decision.reasons.append(f"champion: version {champion.version} (run {champion.run_id})")

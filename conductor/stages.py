@@ -46,6 +46,16 @@ from recsys.core.layout import (
     temp_name,
 )
 from recsys.core.progress import bar
+from recsys.core.records import (
+    ExportRecord,
+    MetricsRecord,
+    RecordError,
+    SampleSize,
+    TrainRecord,
+    read_stats,
+    read_train,
+    write_record,
+)
 from recsys.core.redact import redact_tree
 from recsys.core.resolve import write_settings
 from recsys.model import TrainedModel
@@ -62,7 +72,7 @@ from serving_export.integrity import (
     record_path,
     version_problems,
 )
-from serving_export.publish import finish_publish, publish_dir, stage_embeddings
+from serving_export.release import finish_release, release_dir, stage_embeddings
 from serving_export.savedmodels import export_savedmodels
 from serving_export.verify import verify_export
 
@@ -166,33 +176,29 @@ def train(
     if result.evaluation_model is not None:
         result.evaluation_model.save(run_dir / RunFile.EVAL_MODEL)
     _write_json(run_dir / RunFile.HISTORY, result.history)
-    _write_json(
-        run_dir / RunFile.TRAIN,
-        {
-            # Where everyone else finds it: a path, or its URI for a workdir in a bucket.
-            "data_dir": workdir.public(data_dir),
-            "examples_per_second": result.examples_per_second,
-            "steady_examples_per_second": result.steady_examples_per_second,
-            "epoch_seconds": result.epoch_seconds,
-            "seconds": result.seconds,
-            "strategy": result.strategy,
-            "replicas": result.replicas,
-            "precision": result.precision,
-            "best_epoch": result.best_epoch,
-            "refit_epochs": result.refit_epochs,
-            "refit_seconds": result.refit_seconds,
-            "refit_splits": list(result.refit_splits),
-            "dense_log_settings": result.dense_log_settings,
-            "input": result.input,
-            "incremental_from": None if start is None else str(start.model_dir),
-            # What metrics.json scores: the served model, or the first fit (refit all).
-            "evaluated_model": str(
-                RunFile.EVAL_MODEL if result.evaluation_model is not None else RunFile.MODEL
-            ),
-            "config_digest": config.digest(),
-            "data_fingerprint": _read_json(data_dir / DataFile.STATS).get("fingerprint"),
-        },
+    evaluated = RunFile.EVAL_MODEL if result.evaluation_model is not None else RunFile.MODEL
+    record = TrainRecord(
+        # Where everyone else finds it: a path, or its URI for a workdir in a bucket.
+        data_dir=workdir.public(data_dir),
+        config_digest=config.digest(),
+        data_fingerprint=read_stats(data_dir).fingerprint,
+        examples_per_second=result.examples_per_second,
+        steady_examples_per_second=result.steady_examples_per_second,
+        epoch_seconds=result.epoch_seconds,
+        seconds=result.seconds,
+        strategy=result.strategy,
+        replicas=result.replicas,
+        precision=result.precision,
+        best_epoch=result.best_epoch,
+        refit_epochs=result.refit_epochs,
+        refit_seconds=result.refit_seconds,
+        refit_splits=list(result.refit_splits),
+        dense_log_settings=result.dense_log_settings,
+        input=result.input,
+        incremental_from=None if start is None else str(start.model_dir),
+        evaluated_model=evaluated.value,
     )
+    write_record(run_dir / RunFile.TRAIN, record)
     # Without credentials (tracking.uri may carry some): the digest ignores them, so `recsys
     # sync` still finds this run's MLflow twin from this file.
     clean = redact_tree(config.model_dump(mode="json"), environ={})
@@ -210,11 +216,14 @@ def incremental_start(config: RecsysConfig, workdir: Workdir) -> IncrementalStar
         return None
     record = json.loads(champion.read_text())
     model_dir = Path(record.get("run_dir") or "") / RunFile.MODEL
-    stats = Path(record.get("data_dir") or "") / DataFile.STATS
-    if not record.get("run_dir") or not model_dir.is_dir() or not stats.is_file():
-        log.warning("incremental training: the champion's run or data folder is gone")
+    if not record.get("run_dir") or not model_dir.is_dir():
+        log.warning("incremental training: the champion's run folder is gone")
         return None
-    since = json.loads(stats.read_text()).get("max_timestamp")
+    try:
+        since = read_stats(Path(record.get("data_dir") or "")).max_timestamp
+    except RecordError as exc:
+        log.warning("incremental training: the champion's data cannot be used: %s", exc)
+        return None
     return None if since is None else IncrementalStart(model_dir, int(since))
 
 
@@ -245,10 +254,6 @@ def _corrupt_shard_error(data_dir: Path, exc: Exception) -> DataError | None:
     return None
 
 
-def _read_json(path: Path) -> Any:
-    return json.loads(path.read_text())
-
-
 def _run_dir(workdir: Workdir, date: dt.date, run_id: str | None) -> Path:
     if run_id:
         return require_complete(workdir.run(date, run_id), "recsys train")
@@ -258,13 +263,13 @@ def _run_dir(workdir: Workdir, date: dt.date, run_id: str | None) -> Path:
 def run_data_dir(run_dir: Path, workdir: Workdir | None = None) -> Path:
     """The data folder a training run was trained on (recorded in its train.json), found in
     `workdir`'s local copy when it was recorded by its URI."""
-    recorded = json.loads((run_dir / RunFile.TRAIN).read_text())["data_dir"]
+    recorded = read_train(run_dir).data_dir
     return workdir.local(recorded) if workdir is not None else Path(recorded)
 
 
 def evaluate(
     config: RecsysConfig, workdir: Workdir, date: dt.date, run_id: str | None = None
-) -> tuple[Path, dict[str, Any]]:
+) -> tuple[Path, MetricsRecord]:
     """Exact test-set evaluation of a run next to the popularity baseline (same protocol)."""
     run_dir = _run_dir(workdir, date, run_id)
     data_dir = run_data_dir(run_dir, workdir)
@@ -275,17 +280,17 @@ def evaluate(
     counts = pq.read_table(data_dir / DataFile.ITEM_FEATURES)["train_count"].to_numpy()
     popularity = ev.popularity_scores(np.asarray(counts))
     baseline = ev.evaluate(popularity, eval_set, config.evaluation, "evaluate popularity")
-    report = {
-        "protocol": "leave-last-out test item; train+validation items removed; full catalog",
+    report = MetricsRecord(
+        protocol="leave-last-out test item; train+validation items removed; full catalog",
         # eval_model: the run serves a refit that also trained on the test split.
-        "evaluated_model": model_dir.name,
-        "model": result.metrics,
-        "baselines": {"popularity": baseline.metrics},
+        evaluated_model=model_dir.name,
+        model=result.metrics,
+        baselines={"popularity": baseline.metrics},
         # 95% intervals over users; of the whole test population's metric when sampled.
-        "intervals": {"model": result.intervals, "popularity": baseline.intervals},
-        "sample": {"users": len(eval_set.users), "of": eval_set.population or len(eval_set.users)},
-    }
-    _write_json(run_dir / RunFile.METRICS, report)
+        intervals={"model": result.intervals, "popularity": baseline.intervals},
+        sample=SampleSize(users=len(eval_set.users), of=eval_set.population or len(eval_set.users)),
+    )
+    write_record(run_dir / RunFile.METRICS, report)
     return run_dir, report
 
 
@@ -306,110 +311,165 @@ def export(
     run_id: str | None = None,
     verify: bool | None = None,
 ) -> ExportResult:
-    """SavedModels (TF Serving layout) and embedding files for a run, verified when asked."""
+    """SavedModels (TF Serving layout) and embedding files for a run, verified when asked.
+
+    Steps: reserve the version -> stage everything under one staging root -> verify the
+    staged SavedModels in a fresh process -> release by rename -> finish (models.config,
+    pruning) -> record export.json. TF Serving never sees an unverified version: nothing is
+    released before every model is verified. A crash leaves the reserved version, which the
+    rerun reuses (`keep_released` keeps what an earlier attempt released intact); the
+    staging root is removed, and one left by a killed process goes at the next run.
+    """
     run_dir = _run_dir(workdir, date, run_id)
     model = TrainedModel.load(run_dir / RunFile.MODEL)
     version = _reserve_version(run_dir, workdir)
     log.info("export: %s as version %d", run_dir.name, version)
-    report: dict[str, Any] = {}
-    # Where the stage's time goes (export.json, the log): the SavedModels and their
-    # verification cost the same at any size, the embeddings grow with users and rows.
-    seconds: dict[str, float] = {}
-    clock = time.perf_counter()
     verify = config.export.verify if verify is None else verify
-    steps = bar("export", 4 if verify else 3, "steps")
-
-    def lap(step: str) -> None:
-        nonlocal clock
-        now = time.perf_counter()
-        seconds[step] = round(now - clock, 1)
-        clock = now
-        steps.set_postfix_str(f"{step} done", refresh=False)
-        steps.update()
-
-    # Verify in a staging root, then publish by rename: TF Serving never sees an unverified
-    # version. All three models are verified before any is published.
     if not verify:
         log.warning(
-            "export: version %d is published WITHOUT the fresh-process check (export.verify "
+            "export: version %d is released WITHOUT the fresh-process check (export.verify "
             "is false or --no-verify): nothing reloads and compares the SavedModels",
             version,
         )
+    timer = StepTimer(bar("export", 4 if verify else 3, "steps"))
     staging = workdir.export_root() / temp_name("staging", str(version))
     try:
         staged = export_savedmodels(
             model, staging, version, config.export.top_k, warmup=config.export.warmup
         )
         fault_point("export:staged", staging)
-        lap("savedmodels")
+        timer.lap("savedmodels")
+        report = _verify_staged(config, model, staged) if verify else {}
         if verify:
-            report = verify_export(
-                model, staged, config.export.tolerance, max_k=config.export.top_k
-            )
-            log.info("export verified in a fresh process: %s", _brief(report))
-            lap("verify")
-        # Embeddings, their manifest and the optional ANN index are staged as well: none of
-        # this version becomes visible unless all of it was written and verified.
-        activity = read_activity(
-            run_data_dir(run_dir, workdir), model.users, model.items, model.config.history_length
-        )
-        lap("activity")
-        emb_dir = staging / "embeddings" / str(version)
-        staged_embeddings = stage_embeddings(
-            model, emb_dir, version, staged, config.export, activity
-        )
-        publish_dir(emb_dir, workdir.embeddings(version))
-        lap("embeddings")
-        models = {}
-        for name, path in staged.items():
-            models[name] = workdir.export(name) / str(version)
-            models[name].parent.mkdir(parents=True, exist_ok=True)
-            if keep_published(workdir.export_root(), name, version):
-                continue
-            replace_dir(path, models[name])
-            record_checksums(workdir.export_root(), name, version)
-            fault_point("export:published-one")
+            timer.lap("verify")
+        ann = _release_embeddings(config, workdir, run_dir, model, staging, staged, version, timer)
+        models = _release_models(workdir, staged, version)
     finally:
-        steps.close()
+        timer.close()
         shutil.rmtree(staging, ignore_errors=True)
-    # models.config keeps its champion/challenger labels (recsys.serving_state moves them),
-    # and versions beyond export.keep_versions go, except the served ones and this one.
-    champion = champion_record(workdir).get("export_version")
-    serving = finish_publish(
-        workdir.export_root(), workdir.embeddings_root(), models, version,
-        config.export.model_copy(
-            update={"serving_base_path": workdir.serving_base(config.export.serving_base_path)}
-        ),
-        keep=[int(champion)] if champion and str(champion).isdigit() else [],
-    )  # fmt: skip
-    embeddings = {
-        kind: workdir.embeddings(version) / f"{kind}.parquet" for kind in ("items", "users")
-    }
-    _write_json(
-        run_dir / RunFile.EXPORT,
-        {
-            "version": version,
-            "models": {k: workdir.public(v) for k, v in models.items()},
-            "embeddings": {k: workdir.public(v) for k, v in embeddings.items()},
-            "embeddings_manifest": workdir.public(
-                workdir.embeddings(version) / EmbeddingsFile.MANIFEST
-            ),
-            "ann": staged_embeddings["ann"],
-            "serving": serving,
-            "verification": report,
-            "seconds": seconds,
-        },
+    record = ExportRecord(
+        version=version,
+        models={k: workdir.public(v) for k, v in models.items()},
+        embeddings={k: workdir.public(v) for k, v in _embedding_files(workdir, version).items()},
+        embeddings_manifest=workdir.public(workdir.embeddings(version) / EmbeddingsFile.MANIFEST),
+        ann=ann,
+        serving=_finish_export(config, workdir, models, version),
+        verification=report,
+        seconds=timer.seconds,
     )
-    log.info("export: seconds per step %s", seconds)
+    write_record(run_dir / RunFile.EXPORT, record)
+    log.info("export: seconds per step %s", timer.seconds)
     if verify:
         check_serving(workdir.root)  # what TF Serving loads, not only what was just staged
-    return ExportResult(version, models, embeddings, report)
+    return ExportResult(version, models, _embedding_files(workdir, version), report)
 
 
-def keep_published(export_root: Path, name: str, version: int) -> bool:
-    """True when export/<name>/<version> is already published intact (kept as served).
+class StepTimer:
+    """Seconds per named step of a stage, shown on its progress bar and recorded.
 
-    The version is reserved for this run, so a folder there was published (verified) by this
+    Where export's time goes (export.json, the log): the SavedModels and their verification
+    cost the same at any size, the embeddings grow with users and rows.
+    """
+
+    def __init__(self, steps: Any) -> None:
+        self.steps = steps
+        self.seconds: dict[str, float] = {}
+        self._clock = time.perf_counter()
+
+    def lap(self, step: str) -> None:
+        """Close `step`: the time since the previous lap is its own."""
+        now = time.perf_counter()
+        self.seconds[step] = round(now - self._clock, 1)
+        self._clock = now
+        self.steps.set_postfix_str(f"{step} done", refresh=False)
+        self.steps.update()
+
+    def close(self) -> None:
+        """Close the progress bar."""
+        self.steps.close()
+
+
+def _verify_staged(
+    config: RecsysConfig, model: TrainedModel, staged: dict[str, Path]
+) -> dict[str, Any]:
+    """Reload the staged SavedModels in a fresh process and compare them with the model.
+
+    Raises ExportVerificationError on any difference beyond export.tolerance; nothing has been
+    released then.
+    """
+    report = verify_export(model, staged, config.export.tolerance, max_k=config.export.top_k)
+    log.info("export verified in a fresh process: %s", _brief(report))
+    return report
+
+
+def _release_embeddings(
+    config: RecsysConfig,
+    workdir: Workdir,
+    run_dir: Path,
+    model: TrainedModel,
+    staging: Path,
+    staged: dict[str, Path],
+    version: int,
+    timer: StepTimer,
+) -> dict[str, Any] | None:
+    """Stage the embeddings, their manifest and the optional ANN index, then release them to
+    embeddings/<version>/ by one rename (all of it or none); returns the ANN index's entry."""
+    activity = read_activity(
+        run_data_dir(run_dir, workdir), model.users, model.items, model.config.history_length
+    )
+    timer.lap("activity")
+    emb_dir = staging / "embeddings" / str(version)
+    written = stage_embeddings(model, emb_dir, version, staged, config.export, activity)
+    release_dir(emb_dir, workdir.embeddings(version))
+    timer.lap("embeddings")
+    return written["ann"]
+
+
+def _release_models(workdir: Workdir, staged: dict[str, Path], version: int) -> dict[str, Path]:
+    """Rename each verified SavedModel into export/<name>/<version> and record its checksums.
+
+    A version an earlier attempt of this run already released intact is kept as served
+    (`keep_released`); a crash between two models leaves the others to the rerun.
+    """
+    models = {}
+    for name, path in staged.items():
+        models[name] = workdir.export(name) / str(version)
+        models[name].parent.mkdir(parents=True, exist_ok=True)
+        if keep_released(workdir.export_root(), name, version):
+            continue
+        replace_dir(path, models[name])
+        record_checksums(workdir.export_root(), name, version)
+        fault_point("export:released-one")
+    return models
+
+
+def _finish_export(
+    config: RecsysConfig, workdir: Workdir, models: dict[str, Path], version: int
+) -> dict[str, Any]:
+    """Rewrite models.config (its champion/challenger labels kept: recsys.serving_state moves
+    them) and prune versions beyond export.keep_versions, never the served ones or this one."""
+    champion = champion_record(workdir).get("export_version")
+    export_config = config.export.model_copy(
+        update={"serving_base_path": workdir.serving_base(config.export.serving_base_path)}
+    )
+    keep = [int(champion)] if champion and str(champion).isdigit() else []
+    return finish_release(
+        workdir.export_root(), workdir.embeddings_root(), models, version, export_config, keep
+    )
+
+
+def _embedding_files(workdir: Workdir, version: int) -> dict[str, Path]:
+    """The released embedding tables of a version, by kind (items, users)."""
+    return {
+        kind: workdir.embeddings(version) / EmbeddingsFile[kind.upper()].value
+        for kind in ("items", "users")
+    }
+
+
+def keep_released(export_root: Path, name: str, version: int) -> bool:
+    """True when export/<name>/<version> is already released intact (kept as served).
+
+    The version is reserved for this run, so a folder there was released (verified) by this
     very run before a crash, or is being repaired: a broken one is replaced by the fresh,
     verified copy; one without a record (a crash between rename and record) is recorded.
     """
@@ -422,15 +482,15 @@ def keep_published(export_root: Path, name: str, version: int) -> bool:
         return False
     if not record_path(export_root, name, version).is_file():
         record_checksums(export_root, name, version)
-    log.info("export: %s already published, kept", folder)
+    log.info("export: %s already released, kept", folder)
     return True
 
 
 def _reserve_version(run_dir: Path, workdir: Workdir) -> int:
     """The run's export version: reserved on first use, so a rerun after a crash reuses it.
 
-    Without the reservation a crash after publishing some models (query/7) but not others
-    would leave version 7 half-served and the rerun would publish everything as version 8.
+    Without the reservation a crash after releasing some models (query/7) but not others
+    would leave version 7 half-served and the rerun would release everything as version 8.
     """
     path = run_dir / RunFile.EXPORT_VERSION
     if path.is_file():

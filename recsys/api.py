@@ -53,6 +53,14 @@ if TYPE_CHECKING:
         WorkdirLockedError,
     )
     from recsys.core.layout import Workdir, parse_date
+    from recsys.core.records import (
+        ExportRecord,
+        MetricsRecord,
+        RecordError,
+        StatsRecord,
+        TrainRecord,
+        read_record,
+    )
     from recsys.core.resolve import resolve_config
     from recsys.model import TrainedModel
     from recsys.model_evaluation import evaluate_model
@@ -82,6 +90,12 @@ _SOURCES: dict[str, tuple[str, str]] = {
     "TrainResult": ("recsys.training.result", "TrainResult"),
     "ExportResult": ("conductor.stages", "ExportResult"),
     "PublishResult": ("conductor.promotion", "PublishResult"),
+    # The typed files the stages hand on (stats.json, train.json, metrics.json, export.json).
+    "StatsRecord": ("recsys.core.records", "StatsRecord"),
+    "TrainRecord": ("recsys.core.records", "TrainRecord"),
+    "MetricsRecord": ("recsys.core.records", "MetricsRecord"),
+    "ExportRecord": ("recsys.core.records", "ExportRecord"),
+    "read_record": ("recsys.core.records", "read_record"),
     # The nightly: every stage, under the lock, finished stages skipped.
     "run_nightly": ("conductor.nightly", "run_nightly"),
     "backfill": ("conductor.nightly", "backfill"),
@@ -110,24 +124,30 @@ _SOURCES: dict[str, tuple[str, str]] = {
     "StorageError": ("recsys.core.errors", "StorageError"),
     "ServedModelError": ("recsys.core.errors", "ServedModelError"),
     "StageFailedError": ("recsys.core.errors", "StageFailedError"),
+    "RecordError": ("recsys.core.records", "RecordError"),
 }
 
 __all__ = [
     "ConfigError",
     "DataError",
     "EmbeddingsContractError",
+    "ExportRecord",
     "ExportResult",
     "ExportVerificationError",
+    "MetricsRecord",
     "NightlyResult",
     "OutOfMemoryError",
     "PublishResult",
+    "RecordError",
     "RecsysConfig",
     "RecsysError",
     "ServedModelError",
     "StageFailedError",
     "StageNotReadyError",
+    "StatsRecord",
     "StorageError",
     "TrackingError",
+    "TrainRecord",
     "TrainResult",
     "TrainedModel",
     "Workdir",
@@ -149,6 +169,7 @@ __all__ = [
     "plan",
     "preprocess",
     "publish",
+    "read_record",
     "resolve_config",
     "run_nightly",
     "sync",

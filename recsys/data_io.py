@@ -18,19 +18,19 @@ import tensorflow as tf
 
 from recsys.core import schema
 from recsys.core.errors import DataError, StageNotReadyError
-from recsys.core.layout import SEQUENCES
+from recsys.core.layout import SEQUENCES, DataFile, shard_pattern
 from recsys.model import PAD
 
 
 def split_files(data_dir: Path, split: str) -> list[str]:
     """The sorted shard files of one split (or of the sequence records, `SEQUENCES`); an error
     naming the folder if there are none."""
-    paths = sorted(data_dir.glob(f"{split}-*.tfrecord.gz"))
+    paths = sorted(data_dir.glob(shard_pattern(split)))
     if not paths:
         hint = (
             "this data folder predates the per-user sequence records: redo it with "
             "`recsys nightly --rerun-from preprocess` (or `recsys preprocess`)"
-            if split == SEQUENCES and any(data_dir.glob("train-*.tfrecord.gz"))
+            if split == SEQUENCES and any(data_dir.glob(str(DataFile.TRAIN_SHARDS)))
             else "run `recsys preprocess`"
         )
         raise StageNotReadyError(f"no {split}-*.tfrecord.gz in {data_dir}: {hint}")

@@ -52,9 +52,9 @@ from recsys.core.errors import (
     StageFailedError,
     TrackingError,
 )
-from recsys.core.layout import DataFile
 from recsys.core.logs import configure_logging
 from recsys.core.progress import bar
+from recsys.core.records import read_stats
 from recsys.core.redact import redact_text
 from recsys.core.resolve import resolve_config
 from recsys.tracking import runs as tracking
@@ -365,7 +365,7 @@ def _budget_left(
 
 
 def _stats(config: RecsysConfig, data_dir: Path) -> dict[str, Any]:
-    stats = json.loads((Path(data_dir) / DataFile.STATS).read_text())
+    stats = read_stats(Path(data_dir)).as_dict()
     if not int(stats.get("splits", {}).get("validation", 0)):
         raise DataError(
             f"{data_dir} has no validation examples: tuning needs users with at least "

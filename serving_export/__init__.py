@@ -17,7 +17,7 @@ set_tf_env()
 _PUBLIC = {
     "export_savedmodels": "serving_export.savedmodels",
     "load_embeddings": "serving_export.manifest",
-    "prune_versions": "serving_export.publish",
+    "prune_versions": "serving_export.release",
     "read_embeddings": "serving_export.embeddings",
     "verify_export": "serving_export.verify",
     "write_item_embeddings": "serving_export.embeddings",

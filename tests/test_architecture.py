@@ -134,5 +134,9 @@ def test_every_stage_output_is_declared_and_completeness_follows_it(tmp_path: Pa
     assert set(layout.STAGE_SPECS) == set(layout.STAGES)
     for spec in layout.STAGE_SPECS.values():
         earlier = layout.STAGES[: layout.STAGES.index(spec.name)]
-        made = {n for s in earlier for n in layout.STAGE_SPECS[s].writes}
+        made = {
+            n
+            for s in earlier
+            for n in (*layout.STAGE_SPECS[s].writes, *layout.STAGE_SPECS[s].optional)
+        }
         assert set(spec.reads) <= made, f"{spec.name} reads what no earlier stage writes"

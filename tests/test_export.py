@@ -466,7 +466,7 @@ def test_unnormalized_towers_export_with_their_own_padding_and_manifest(
 ) -> None:
     from recsys.core.config import ExportConfig
     from serving_export.manifest import read_manifest
-    from serving_export.publish import stage_embeddings
+    from serving_export.release import stage_embeddings
     from serving_export.signatures import UNNORMALIZED_PAD_SCORE
 
     tf.keras.utils.set_random_seed(8)

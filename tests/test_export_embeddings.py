@@ -115,7 +115,7 @@ def version_dir(model: TrainedModel, tmp_path_factory: pytest.TempPathFactory) -
     """An embeddings version folder as the export stage stages it (with a faiss index)."""
     from recsys.core.config import ExportConfig
     from serving_export.activity import TIMESTAMP_TYPE, Activity
-    from serving_export.publish import stage_embeddings
+    from serving_export.release import stage_embeddings
 
     seen = dt.datetime(2026, 1, 2, tzinfo=dt.UTC)
     activity = Activity(

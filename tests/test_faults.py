@@ -348,7 +348,7 @@ def test_killed_after_publishing_one_model_reuses_its_version(
     reference: dict, server: MlflowServer, tmp_path: Path
 ) -> None:
     config, work = _config(tmp_path, server.uri, "fault-half"), _seeded(tmp_path, reference)
-    _finish(_start(config, work, fault="export:published-one:kill"), expect=-signal.SIGKILL)
+    _finish(_start(config, work, fault="export:released-one:kill"), expect=-signal.SIGKILL)
     published = [n for n in MODELS if (work / "export" / n / "1").is_dir()]
     assert len(published) == 1
     _finish(_start(config, work))

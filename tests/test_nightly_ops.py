@@ -25,7 +25,15 @@ from conductor.nightly import (
     write_summary,
 )
 from recsys.core.errors import ConfigError, WorkdirLockedError
-from recsys.core.layout import Workdir, clean_temporaries, mark_stage, parse_date, stage_info
+from recsys.core.layout import (
+    RunFile,
+    Workdir,
+    clean_temporaries,
+    mark_stage,
+    parse_date,
+    stage_info,
+)
+from recsys.core.records import MetricsRecord, SampleSize, write_record
 
 _HOLD = textwrap.dedent(
     """
@@ -174,6 +182,15 @@ def test_summary_lists_stages_counts_metrics_and_decision(tmp_path: Path) -> Non
     run.mkdir()
     mark_stage(data, "preprocess", {"input_rows": 1000, "rejected": 3, "splits": {"train": 900}})
     mark_stage(run, "evaluate", {"metrics": {"recall_at_10": 0.25}})
+    metrics = MetricsRecord(
+        protocol="leave-last-out",
+        evaluated_model="model",
+        model={"recall_at_10": 0.25},
+        baselines={"popularity": {"recall_at_10": 0.125}},
+        intervals={},
+        sample=SampleSize(users=8, of=8),
+    )
+    write_record(run / RunFile.METRICS, metrics)
     mark_stage(run, "export", {"version": 4})
     mark_stage(
         run,
@@ -186,7 +203,7 @@ def test_summary_lists_stages_counts_metrics_and_decision(tmp_path: Path) -> Non
     assert text.startswith("# recsys nightly 2026-01-05")
     assert "| preprocess | skipped | 3.0 |" in text and "| train | ran | 12.5 |" in text
     assert "Input rows 1000, rejected 3; train 900" in text
-    assert "| recall_at_10 | 0.2500 |" in text
+    assert "| recall_at_10 | 0.2500 | 0.1250 |" in text  # beside the baseline (metrics.json)
     assert "gate: KEEP: no gain" in text and "Export version 4" in text
 
 

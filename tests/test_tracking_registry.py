@@ -23,6 +23,14 @@ from conductor.promotion import PENDING, publish_run
 from recsys.core.config import RecsysConfig, TrackingConfig
 from recsys.core.errors import TrackingError
 from recsys.core.layout import Workdir, mark_complete, new_run_id
+from recsys.core.records import (
+    ExportRecord,
+    MetricsRecord,
+    SampleSize,
+    StatsRecord,
+    TrainRecord,
+    write_record,
+)
 from recsys.core.resolve import resolve_config, write_settings
 from recsys.tracking import registry
 from tests.mlflow_server import MlflowServer, free_port, mlflow_server
@@ -47,7 +55,19 @@ def fake_run(
     """A finished run folder as train/evaluate/export leave it (tiny files, no real model)."""
     data_dir = workdir.data(date)
     data_dir.mkdir(parents=True, exist_ok=True)
-    (data_dir / "stats.json").write_text(json.dumps({"fingerprint": fingerprint, "rows": 10}))
+    stats = StatsRecord(
+        run_date=date.isoformat(),
+        fingerprint=fingerprint,
+        input_lines=10,
+        input_rows=10,
+        accepted=10,
+        rejected=0,
+        duplicates=0,
+        splits={"train": 6, "validation": 2, "test": 2},
+        users=2,
+        items=3,
+    )
+    write_record(data_dir / "stats.json", stats)
     run_dir = workdir.run(date, new_run_id(config.digest()))
     (run_dir / "model").mkdir(parents=True)
     # No model.json: not a loadable model, so a gate against it keeps the champion (with a
@@ -55,12 +75,38 @@ def fake_run(
     (run_dir / "model" / "weights.bin").write_bytes(b"\x00weights")
     (run_dir / "config.yaml").write_text(yaml.safe_dump(config.model_dump(mode="json")))
     write_settings(run_dir / "resolved_config.yaml", resolve_config(config).records())
-    train = {"data_dir": str(data_dir), "examples_per_second": 1234.5, "seconds": 2.0}
-    (run_dir / "train.json").write_text(json.dumps(train))
+    train = TrainRecord(
+        data_dir=str(data_dir),
+        config_digest=config.digest(),
+        data_fingerprint=fingerprint,
+        examples_per_second=1234.5,
+        steady_examples_per_second=1234.5,
+        epoch_seconds=[2.0],
+        seconds=2.0,
+        strategy="one_device",
+        replicas=1,
+        precision="float32",
+        best_epoch=None,
+        refit_epochs=None,
+        refit_seconds=0.0,
+        refit_splits=[],
+        dense_log_settings={},
+        input="sequences",
+        incremental_from=None,
+        evaluated_model="model",
+    )
+    write_record(run_dir / "train.json", train)
     (run_dir / "history.json").write_text(json.dumps({"loss": [3.0, 2.0], "val_loss": [3.5, 2.5]}))
     summary = {k: float(np.mean(v)) for k, v in per_user.items() if k != "user_id"}
-    report = {"model": {**summary, "coverage_at_10": 0.5}, "baselines": {"popularity": summary}}
-    (run_dir / "metrics.json").write_text(json.dumps(report))
+    report = MetricsRecord(
+        protocol="leave-last-out",
+        evaluated_model="model",
+        model={**summary, "coverage_at_10": 0.5},
+        baselines={"popularity": summary},
+        intervals={},
+        sample=SampleSize(users=len(per_user["user_id"]), of=len(per_user["user_id"])),
+    )
+    write_record(run_dir / "metrics.json", report)
     pq.write_table(pa.table(per_user), run_dir / "per_user_eval.parquet")
     version = len(list((workdir.root / "export" / "query").glob("*"))) + 1
     models = {}
@@ -72,13 +118,17 @@ def fake_run(
     emb.mkdir(parents=True)
     pq.write_table(pa.table({"item_id": ["a", "b"]}), emb / "items.parquet")
     (emb / "manifest.json").write_text(json.dumps({"files": {"items": {"rows": 2}}}))
-    exported = {
-        "version": version,
-        "models": {k: str(v) for k, v in models.items()},
-        "embeddings": {"items": str(emb / "items.parquet")},
-        "embeddings_manifest": str(emb / "manifest.json"),
-    }
-    (run_dir / "export.json").write_text(json.dumps(exported))
+    exported = ExportRecord(
+        version=version,
+        models={k: str(v) for k, v in models.items()},
+        embeddings={"items": str(emb / "items.parquet")},
+        embeddings_manifest=str(emb / "manifest.json"),
+        ann=None,
+        serving={},
+        verification={},
+        seconds={},
+    )
+    write_record(run_dir / "export.json", exported)
     mark_complete(run_dir)
     return run_dir
 

@@ -36,8 +36,6 @@ from recsys.core.errors import ConfigError, StageNotReadyError
 log = logging.getLogger(__name__)
 
 SUCCESS = "_SUCCESS"
-# The nightly's stages in order; each one done marks its folder `_SUCCESS.<stage>`.
-STAGES = ("preprocess", "train", "evaluate", "export", "publish")
 # Prefixes of the temporary siblings that atomic writers create; never visible as outputs.
 TEMP_PREFIXES = (".tmp-", ".old-", ".staging-")
 # The full form of such a name, `.<kind>-<what>-pid<pid>-<8 random>` (temp_prefix): the pid
@@ -56,11 +54,28 @@ SEQUENCES = "sequences"
 (`sequences-SSSSS-of-NNNNN.tfrecord.gz`, recsys.core.schema.SEQUENCE_FEATURES)."""
 
 
+TFRECORD_SUFFIX = ".tfrecord.gz"
+
+
+def shard_pattern(prefix: str) -> str:
+    """The glob of one split's (or the sequence records') shards: `<prefix>-*.tfrecord.gz`."""
+    return f"{prefix}-*{TFRECORD_SUFFIX}"
+
+
 class DataFile(StrEnum):
-    """The files of one day's preprocessed data folder (`data/<date>/`), written by preprocess."""
+    """The files of one day's preprocessed data folder (`data/<date>/`), written by preprocess.
+
+    Names with `*` are globs of shard files (`<split>-SSSSS-of-NNNNN.tfrecord.gz`).
+    """
 
     STATS = "stats.json"
     ITEM_FEATURES = "item_features.parquet"
+    # Only with data.users (a user side file): one row of side features per user.
+    USER_FEATURES = "user_features.parquet"
+    TRAIN_SHARDS = "train-*.tfrecord.gz"
+    VALIDATION_SHARDS = "validation-*.tfrecord.gz"
+    TEST_SHARDS = "test-*.tfrecord.gz"
+    SEQUENCE_SHARDS = "sequences-*.tfrecord.gz"
     VOCAB = "vocab"
     USER_VOCAB = "vocab/users.txt"
     ITEM_VOCAB = "vocab/items.txt"
@@ -221,13 +236,30 @@ class RunDir:
 
 @dataclass(frozen=True)
 class StageSpec:
-    """What a stage reads and writes, TFX-style: declared files, not re-listed by callers."""
+    """What a stage reads and writes, TFX-style: declared files, not re-listed by callers.
+
+    `writes` are there whenever the stage finished (globs: at least one file); `optional`
+    are written only under some settings (data.users, training.refit all) and not checked.
+    Preprocess writes into `data/<date>/`, the other stages into the run folder.
+    """
 
     name: str
     producer: str  # the command that makes the outputs, for "run X first" messages
     reads: tuple[DataFile | RunFile, ...]
     writes: tuple[DataFile | RunFile, ...]
+    optional: tuple[DataFile | RunFile, ...] = ()
 
+
+_DATA = (
+    DataFile.STATS,
+    DataFile.ITEM_FEATURES,
+    DataFile.USER_VOCAB,
+    DataFile.ITEM_VOCAB,
+    DataFile.TRAIN_SHARDS,
+    DataFile.VALIDATION_SHARDS,
+    DataFile.TEST_SHARDS,
+    DataFile.SEQUENCE_SHARDS,
+)
 
 STAGE_SPECS: dict[str, StageSpec] = {
     spec.name: spec
@@ -236,35 +268,33 @@ STAGE_SPECS: dict[str, StageSpec] = {
             "preprocess",
             "recsys preprocess",
             reads=(),
-            writes=(
-                DataFile.STATS,
-                DataFile.ITEM_FEATURES,
-                DataFile.USER_VOCAB,
-                DataFile.ITEM_VOCAB,
-            ),
+            writes=_DATA,
+            optional=(DataFile.USER_FEATURES,),
         ),
         StageSpec(
             "train",
             "recsys train",
-            reads=(
-                DataFile.STATS,
-                DataFile.ITEM_FEATURES,
-                DataFile.USER_VOCAB,
-                DataFile.ITEM_VOCAB,
+            reads=(*_DATA, DataFile.USER_FEATURES),
+            writes=(
+                RunFile.MODEL,
+                RunFile.CONFIG,
+                RunFile.RESOLVED_CONFIG,
+                RunFile.HISTORY,
+                RunFile.TRAIN,
             ),
-            writes=(RunFile.MODEL, RunFile.CONFIG, RunFile.HISTORY, RunFile.TRAIN),
+            optional=(RunFile.EVAL_MODEL,),
         ),
         StageSpec(
             "evaluate",
             "recsys evaluate",
-            reads=(RunFile.MODEL, RunFile.TRAIN, DataFile.ITEM_FEATURES),
+            reads=(RunFile.MODEL, RunFile.TRAIN, DataFile.ITEM_FEATURES, DataFile.SEQUENCE_SHARDS),
             writes=(RunFile.METRICS, RunFile.PER_USER_EVAL),
         ),
         StageSpec(
             "export",
             "recsys export",
             reads=(RunFile.MODEL, RunFile.TRAIN, RunFile.CONFIG, DataFile.ITEM_FEATURES),
-            writes=(RunFile.EXPORT,),
+            writes=(RunFile.EXPORT, RunFile.EXPORT_VERSION),
         ),
         StageSpec(
             "publish",
@@ -283,20 +313,23 @@ STAGE_SPECS: dict[str, StageSpec] = {
     )
 }
 
+STAGES: tuple[str, ...] = tuple(STAGE_SPECS)
+"""The nightly's stages in order; each one done marks its folder `_SUCCESS.<stage>`."""
+
+
+def _present(folder: Path, name: str) -> bool:
+    return any(folder.glob(str(name))) if "*" in name else (folder / name).exists()
+
 
 def missing_inputs(stage: str, run_dir: Path) -> list[str]:
     """The run files a stage declares it reads that `run_dir` lacks (data files not checked)."""
     spec = STAGE_SPECS[stage]
-    return [
-        str(name)
-        for name in spec.reads
-        if isinstance(name, RunFile) and not (run_dir / name).exists()
-    ]
+    return [str(n) for n in spec.reads if isinstance(n, RunFile) and not _present(run_dir, n)]
 
 
 def missing_outputs(stage: str, folder: Path) -> list[str]:
     """The files a stage declares it writes that its output `folder` lacks: done means none."""
-    return [str(name) for name in STAGE_SPECS[stage].writes if not (folder / name).exists()]
+    return [str(name) for name in STAGE_SPECS[stage].writes if not _present(folder, name)]
 
 
 def parse_date(value: str | None, timezone: str = "UTC") -> dt.date:

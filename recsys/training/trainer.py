@@ -25,6 +25,7 @@ from recsys.core.auto import DeviceFacts
 from recsys.core.config import RecsysConfig, TrainingConfig, set_values
 from recsys.core.errors import ConfigError, OutOfMemoryError, StorageError, storage_errno
 from recsys.core.layout import DataFile
+from recsys.core.records import read_stats
 from recsys.core.resolve import resolve_config
 from recsys.model import (
     ItemFeatures,
@@ -249,7 +250,7 @@ def build_model(
         )
     user_features = UserFeatures()
     if config.model.user_features:
-        user_features = UserFeatures.from_parquet(data_dir / "user_features.parquet", users)
+        user_features = UserFeatures.from_parquet(data_dir / DataFile.USER_FEATURES, users)
     model_config = config.model  # `auto` settings resolved by train()
     tf.keras.mixed_precision.set_global_policy(precision)
     try:
@@ -318,7 +319,7 @@ def train(
     gpus = configure_gpus(tc.gpu_memory_growth)
     # MultiWorkerMirroredStrategy must exist before other TF ops run in the process.
     strategy = make_strategy(tc.strategy, gpus, tc.ps_min_shard_bytes)
-    stats = json.loads((data_dir / DataFile.STATS).read_text())
+    stats = read_stats(data_dir).as_dict()
     resolved = resolve_config(config, stats, device_facts(strategy, gpus))
     for note in resolved.notes:
         log.info("resolved setting: %s", note)

@@ -1,11 +1,16 @@
-"""Staging, publishing and retention of a version's serving artifacts.
+"""Staging, release and retention of a version's serving artifacts.
+
+"Release" is the export stage's last step: a verified folder renamed to where TF Serving and
+the retrieval indexes read it. (The nightly's fifth stage, "publish", is another thing: it
+logs and registers the run in MLflow and gates it.)
+
 
 The nightly export (conductor.stages.export) writes every artifact of a version into one
 staging folder (`export/.staging-<version>-<random>/`: the three SavedModels and
-`embeddings/<version>/`), verifies the SavedModels there, and only then publishes each folder
+`embeddings/<version>/`), verifies the SavedModels there, and only then releases each folder
 with one rename. An exception or a killed process before that leaves nothing visible; the
 staging folder is ignored by TF Serving (not an integer name) and removed by the next run.
-After publishing, `models.config` is rewritten (labels kept) and old versions are pruned.
+After the release, `models.config` is rewritten (labels kept) and old versions are pruned.
 """
 
 from __future__ import annotations
@@ -86,7 +91,7 @@ def _build_ann(directory: Path, config: ExportConfig) -> dict[str, Any]:
     return entry
 
 
-def publish_dir(source: Path, target: Path) -> Path:
+def release_dir(source: Path, target: Path) -> Path:
     """Move a finished folder onto `target` by rename (an existing target is replaced whole)."""
     return replace_dir(source, target)
 
@@ -117,7 +122,7 @@ def prune_versions(base: Path, keep: int, protect: Iterable[int] = ()) -> list[i
     return doomed
 
 
-def finish_publish(
+def finish_release(
     export_root: Path,
     embeddings_root: Path,
     names: Iterable[str],
@@ -125,7 +130,7 @@ def finish_publish(
     config: ExportConfig,
     keep: Iterable[int] = (),
 ) -> dict[str, Any]:
-    """After a publish: rewrite models.config (labels kept) and prune to export.keep_versions.
+    """After a release: rewrite models.config (labels kept) and prune to export.keep_versions.
 
     The versions labelled champion/challenger in models.config (recsys.serving_state sets
     them from the registry), those in `keep` (champion.json's) and the new version are never

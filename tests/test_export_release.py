@@ -22,7 +22,7 @@ from recsys.core.config import ExportConfig, RecsysConfig
 from recsys.core.layout import Workdir
 from serving_export import savedmodels
 from serving_export.manifest import load_embeddings
-from serving_export.publish import finish_publish, prune_versions, versions
+from serving_export.release import finish_release, prune_versions, versions
 from serving_export.serving_config import (
     MODELS_CONFIG,
     read_version_labels,
@@ -69,7 +69,7 @@ def staging_dirs(workdir: Workdir) -> list[Path]:
     return sorted((workdir.root / "export").glob(".staging-*"))
 
 
-def test_export_publishes_models_embeddings_manifest_and_config(
+def test_export_releasees_models_embeddings_manifest_and_config(
     exported: stages.ExportResult, trained: tuple[RecsysConfig, Workdir, Path]
 ) -> None:
     import tensorflow as tf
@@ -290,7 +290,7 @@ def test_finish_publish_protects_the_labelled_versions(tmp_path: Path) -> None:
         for base in [*(export_root / n for n in MODEL_NAMES), emb_root]:
             (base / str(version)).mkdir(parents=True)
     write_models_config(export_root, MODEL_NAMES, {"champion": 1, "challenger": 4})
-    result = finish_publish(export_root, emb_root, MODEL_NAMES, 5, ExportConfig(keep_versions=1))
+    result = finish_release(export_root, emb_root, MODEL_NAMES, 5, ExportConfig(keep_versions=1))
     assert result["labels"] == {"champion": 1, "challenger": 4}
     assert all(v == [2, 3] for v in result["pruned"].values())
     assert versions(export_root / "query") == [1, 4, 5] and versions(emb_root) == [1, 4, 5]

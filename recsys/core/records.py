@@ -1,0 +1,241 @@
+"""The typed files one stage writes and another reads (TFX-style artifacts, as pydantic models).
+
+Each record names its kind and the version of its format, so a reader refuses, with the file,
+the field and the command that rewrites it, a file from another release or another stage
+instead of failing later on a missing key:
+
+==========================  ===============================  =============================
+record                      file                             written by
+==========================  ===============================  =============================
+`StatsRecord`               data/<date>/stats.json           recsys preprocess (Beam job)
+`RunKeyRecord`              runs/<date>/<run>/nightly.json   recsys nightly (run lookup)
+`TrainRecord`               runs/<date>/<run>/train.json     recsys train
+`MetricsRecord`             runs/<date>/<run>/metrics.json   recsys evaluate
+`ExportRecord`              runs/<date>/<run>/export.json    recsys export
+==========================  ===============================  =============================
+
+`read_record(TrainRecord, path)` validates; `write_record(path, record)` writes atomically
+(a temporary sibling renamed over the file, so a reader never sees half a record).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, ClassVar, Literal, TypeVar
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from recsys.core.errors import StageNotReadyError
+from recsys.core.layout import DataFile, RunFile, temp_name
+
+FORMAT_VERSION = 1
+"""The format every record of this release is written in (raised on an incompatible change)."""
+
+
+class RecordError(StageNotReadyError):
+    """A stage's record is missing, unreadable, from another release or of another kind; the
+    message names the file, the field and the command that writes it again (exit 4)."""
+
+
+class StageRecord(BaseModel):
+    """Base of every record: its kind and format version, checked before any field."""
+
+    # NaN stays NaN (as json.dumps writes it), not null: a metric can be undefined.
+    model_config = ConfigDict(extra="forbid", frozen=True, ser_json_inf_nan="constants")
+
+    KIND: ClassVar[str]
+    PRODUCER: ClassVar[str]  # the command that writes it again, for error messages
+
+    record: str
+    format_version: int = FORMAT_VERSION
+
+
+class StatsRecord(StageRecord):
+    """stats.json: the Beam job's counts (they reconcile every input line), vocab sizes, time
+    range and the data fingerprint. The typed fields are those other stages read; the rest of
+    the document (rejections by reason, drift, popularity, sequence lengths) is kept as is."""
+
+    # The Beam job's report grows with its checks: other keys are kept, not refused.
+    model_config = ConfigDict(extra="allow", frozen=True, ser_json_inf_nan="constants")
+    KIND: ClassVar[str] = "stats"
+    PRODUCER: ClassVar[str] = "recsys preprocess"
+
+    record: Literal["stats"] = "stats"
+    run_date: str
+    fingerprint: str
+    input_lines: int = Field(ge=0)
+    input_rows: int = Field(ge=0)
+    accepted: int = Field(ge=0)
+    rejected: int = Field(ge=0)
+    duplicates: int = Field(ge=0)
+    splits: dict[str, int]
+    users: int = Field(ge=0)
+    items: int = Field(ge=0)
+    min_timestamp: int | None = None
+    max_timestamp: int | None = None
+
+    def as_dict(self) -> dict[str, Any]:
+        """The whole document (typed fields and the rest), as JSON-ready values."""
+        return self.model_dump(mode="json")
+
+
+class RunKeyRecord(StageRecord):
+    """nightly.json: what makes a run folder the night's run for a config and a data set."""
+
+    KIND: ClassVar[str] = "run_key"
+    PRODUCER: ClassVar[str] = "recsys nightly"
+
+    record: Literal["run_key"] = "run_key"
+    config_digest: str
+    data_fingerprint: str | None
+
+
+class TrainRecord(StageRecord):
+    """train.json: where the run's data is, how it trained (device, speed, refit) and on what."""
+
+    KIND: ClassVar[str] = "train"
+    PRODUCER: ClassVar[str] = "recsys train"
+
+    record: Literal["train"] = "train"
+    data_dir: str = Field(description="The data folder: a path, or its URI in a bucket.")
+    config_digest: str
+    data_fingerprint: str | None
+    examples_per_second: float = Field(ge=0)
+    steady_examples_per_second: float = Field(ge=0)
+    epoch_seconds: list[float]
+    seconds: float = Field(ge=0)
+    strategy: str
+    replicas: int = Field(ge=1)
+    precision: str
+    best_epoch: int | None
+    refit_epochs: int | None
+    refit_seconds: float = Field(ge=0)
+    refit_splits: list[str]
+    dense_log_settings: dict[str, bool | int | float | str]
+    input: str = Field(pattern="^(rows|sequences)$")
+    incremental_from: str | None
+    evaluated_model: str = Field(
+        pattern="^(model|eval_model)$",
+        description="What metrics.json scores: the served model, or the first fit (refit all).",
+    )
+
+    def device(self) -> dict[str, str]:
+        """The device layout it trained on (the MLflow tags' `device.*`)."""
+        return {
+            "strategy": self.strategy,
+            "replicas": str(self.replicas),
+            "precision": self.precision,
+        }
+
+
+class SampleSize(BaseModel):
+    """How many test users were scored, of how many."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    users: int = Field(ge=0)
+    of: int = Field(ge=0)
+
+
+class MetricsRecord(StageRecord):
+    """metrics.json: the evaluate stage's test metrics beside the popularity baseline."""
+
+    KIND: ClassVar[str] = "metrics"
+    PRODUCER: ClassVar[str] = "recsys evaluate"
+
+    record: Literal["metrics"] = "metrics"
+    protocol: str
+    evaluated_model: str
+    model: dict[str, float]
+    baselines: dict[str, dict[str, float]]
+    # 95% intervals over users: {"model": {metric: (low, high)}, "popularity": {...}}.
+    intervals: dict[str, dict[str, tuple[float, float]]]
+    sample: SampleSize
+
+
+class ExportRecord(StageRecord):
+    """export.json: the version published, where its SavedModels and embeddings went."""
+
+    KIND: ClassVar[str] = "export"
+    PRODUCER: ClassVar[str] = "recsys export"
+
+    record: Literal["export"] = "export"
+    version: int = Field(ge=1)
+    # name (query, candidate, retrieval) -> its folder: a path, or a URI in a bucket.
+    models: dict[str, str]
+    embeddings: dict[str, str]
+    embeddings_manifest: str
+    ann: dict[str, Any] | None
+    serving: dict[str, Any]
+    verification: dict[str, Any] = Field(
+        description="The fresh-process check's report; empty when export.verify was off."
+    )
+    seconds: dict[str, float]
+
+
+R = TypeVar("R", bound=StageRecord)
+
+
+def read_record(cls: type[R], path: Path) -> R:
+    """The record at `path`, validated; RecordError naming the file, field and fix if not."""
+    rerun = f"rerun `{cls.PRODUCER}` to write it again"
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise RecordError(f"{path} is missing: run `{cls.PRODUCER}` first") from None
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise RecordError(f"{path}: unreadable {cls.KIND} record ({exc}); {rerun}") from None
+    if not isinstance(data, dict) or "record" not in data:
+        raise RecordError(
+            f"{path}: field 'record': missing; not a {cls.KIND} record of this release "
+            f"(written before records carried their kind and format version); {rerun}"
+        )
+    if data["record"] != cls.KIND:
+        raise RecordError(
+            f"{path}: field 'record': {data['record']!r}, expected {cls.KIND!r} (the wrong "
+            f"file in this place); {rerun}"
+        )
+    version = data.get("format_version")
+    if version != FORMAT_VERSION:
+        newer = isinstance(version, int) and version > FORMAT_VERSION
+        fix = "upgrade recsys to read it" if newer else rerun
+        raise RecordError(
+            f"{path}: field 'format_version': {version!r}; this release reads format "
+            f"{FORMAT_VERSION}; {fix}"
+        )
+    try:
+        return cls.model_validate(data)
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        field = ".".join(str(p) for p in first["loc"])
+        raise RecordError(
+            f"{path}: field {field!r}: {first['msg']} ({exc.error_count()} problem(s)); {rerun}"
+        ) from None
+
+
+def write_record(path: Path, record: StageRecord) -> None:
+    """Write `record` as JSON, atomically (a reader sees the old file or the new one)."""
+    tmp = path.with_name(temp_name("tmp", path.name))
+    tmp.write_text(record.model_dump_json(indent=2) + "\n", encoding="utf-8")
+    tmp.replace(path)
+
+
+def read_stats(data_dir: Path) -> StatsRecord:
+    """A data folder's stats.json."""
+    return read_record(StatsRecord, data_dir / DataFile.STATS)
+
+
+def read_train(run_dir: Path) -> TrainRecord:
+    """A run folder's train.json."""
+    return read_record(TrainRecord, run_dir / RunFile.TRAIN)
+
+
+def read_metrics(run_dir: Path) -> MetricsRecord:
+    """A run folder's metrics.json."""
+    return read_record(MetricsRecord, run_dir / RunFile.METRICS)
+
+
+def read_export(run_dir: Path) -> ExportRecord:
+    """A run folder's export.json."""
+    return read_record(ExportRecord, run_dir / RunFile.EXPORT)
