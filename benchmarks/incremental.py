@@ -42,6 +42,7 @@ import yaml
 from conductor import stages
 from recsys.core.config import RecsysConfig, load_config, set_values
 from recsys.core.layout import SUCCESS, Workdir
+from recsys.core.records import read_stats
 from recsys.model_evaluation import evaluate_model
 from recsys.training.trainer import IncrementalStart, train
 
@@ -107,7 +108,7 @@ def main() -> int:
     previous: tuple[Path, int] | None = None
     for date in dates:
         data_dir = night_data(base, args.input_path, date, workdir)
-        stats = json.loads((data_dir / "stats.json").read_text())
+        stats = read_stats(data_dir).as_dict()
         night: dict[str, Any] = {"date": date.isoformat(), "splits": stats["splits"]}
         night["full"] = fit(base, data_dir, root / "models" / "full" / date.isoformat(), None)
         start = None if previous is None else IncrementalStart(*previous)

@@ -44,6 +44,7 @@ from conductor import stages
 from recsys import evaluation as ev
 from recsys.core.config import EvaluationConfig, RecsysConfig, load_config, set_values
 from recsys.core.layout import SUCCESS, Workdir
+from recsys.core.records import read_stats
 from recsys.training import trainer
 from recsys.training.windows import TrainingSequences
 
@@ -151,7 +152,7 @@ def main() -> int:
         "config": args.config,
         "settings": settings,
         "rows_settings": rows_settings,
-        "data": json.loads((data_dir / "stats.json").read_text())["splits"],
+        "data": read_stats(data_dir).as_dict()["splits"],
         "runs": [],
     }
     for seed in args.seeds:

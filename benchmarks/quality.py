@@ -398,7 +398,7 @@ class Ours:
         _, report = stages.evaluate(config, self.workdir, self.date, run_dir.name)
         exported = stages.export(config, self.workdir, self.date, run_dir.name, verify=False)
         scores, missing = self.parquet_scores(exported.embeddings)
-        evaluated = {k: round(report["model"][k], 4) for k in REPORTED}
+        evaluated = {k: round(report.model[k], 4) for k in REPORTED}
         scored, ranks = _scored(scores, self.scored)
         return {
             "config": str(base.relative_to(REPO) if base.is_relative_to(REPO) else base),

@@ -222,7 +222,7 @@ def run_ours(config: RecsysConfig, workdir: Workdir, data_dir: Path) -> dict[str
         "jit_compile": result.jit_compile,
         "cached": result.cached,
         "final_loss": round(history["loss"][-1], 4),
-        "test": {k: round(report["model"][k], 4) for k in REPORTED},
+        "test": {k: round(report.model[k], 4) for k in REPORTED},
     }
 
 

@@ -64,7 +64,7 @@ def screen(name: str, variants: dict[str, Any], root: Path, out: Path, seed: int
             "label": label,
             "override": over,
             "seed": seed,
-            "validation": {k: round(report["model"][k], 4) for k in quality.REPORTED},
+            "validation": {k: round(report.model[k], 4) for k in quality.REPORTED},
             "epochs_run": len(result.epoch_seconds),
             "best_epoch": result.best_epoch,
             "refit_epochs": result.refit_epochs,

@@ -40,6 +40,7 @@ import yaml
 from recsys import baselines
 from recsys import evaluation as ev
 from recsys.core.config import EvaluationConfig, RecsysConfig, load_config
+from recsys.core.records import read_stats
 from recsys.data_io import load_split
 from recsys.training import trainer
 
@@ -227,7 +228,7 @@ def main() -> int:
     logging.getLogger("recsys.training.trainer").setLevel(logging.INFO)
     base = load_config(args.config)
     data_dir = Path(args.data_dir)
-    stats = json.loads((data_dir / "stats.json").read_text())
+    stats = read_stats(data_dir).as_dict()
     out_path = Path(args.out)
     results: dict[str, Any] = (
         json.loads(out_path.read_text()) if out_path.is_file() else {"variants": {}}

@@ -64,9 +64,9 @@ def main() -> int:
                 run_dir, _ = stages.train(cfg, workdir, DATE, data_dir)
                 _, report = stages.evaluate(cfg, workdir, DATE, run_dir.name)
                 runs[variant].append(
-                    {"seed": seed, **{k: round(report["model"][k], 4) for k in REPORTED}}
+                    {"seed": seed, **{k: round(report.model[k], 4) for k in REPORTED}}
                 )
-                popularity = {k: round(report["baselines"]["popularity"][k], 4) for k in REPORTED}
+                popularity = {k: round(report.baselines["popularity"][k], 4) for k in REPORTED}
     results = {
         "protocol": __doc__.split("\n\n")[1].replace("\n", " "),
         "popularity": popularity,
