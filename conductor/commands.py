@@ -36,7 +36,7 @@ from recsys.core.layout import (
     temp_prefix,
 )
 from recsys.core.progress import shown
-from recsys.core.records import MetricsRecord, read_export, read_metrics, read_stats
+from recsys.core.records import MetricsRecord, PublishMarker, read_export, read_metrics, read_stats
 from recsys.tracking.compare import compare, format_table
 from recsys.tracking.runs import check_tracking_store, record_ab_metric
 from recsys.training.trainer import is_chief
@@ -375,16 +375,16 @@ def _print_nightly(result: NightlyResult, workdir: Workdir) -> None:
         print(f"savedmodel:  {name} -> {path}")
     for name, path in exported.embeddings.items():
         print(f"embeddings:  {name} -> {path}")
-    publish = result.info("publish")
-    print(f"mlflow run:  {publish.get('mlflow_run_id')}")
+    publish = result.outcome(PublishMarker)
+    print(f"mlflow run:  {publish.mlflow_run_id}")
     _print_metrics(read_metrics(result.run))
     print(
-        f"registered:  version {publish.get('registered_version')} "
-        f"(champion now: {publish.get('champion_version')})"
+        f"registered:  version {publish.registered_version} "
+        f"(champion now: {publish.champion_version})"
     )
-    print(publish.get("summary", ""))
-    _print_checks(publish.get("checks", []))
-    for note in publish.get("notes") or []:
+    print(publish.summary)
+    _print_checks([check.model_dump() for check in publish.checks])
+    for note in publish.notes:
         print(f"note:        {note}")
     for problem in result.serving_problems:
         print(f"serving:     {problem}")

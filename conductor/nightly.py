@@ -2,7 +2,7 @@
 
 preprocess -> train -> evaluate -> export -> publish (MLflow log, register, gate, promote),
 then retention and a Markdown summary. Each stage writes a `_SUCCESS.<stage>` marker into its
-output folder when it finished (layout.mark_stage), keyed to the date and the config:
+output folder when it finished (recsys.core.records.write_marker), keyed to the date and the config:
 
 - preprocess: `data/<date>/_SUCCESS.preprocess`, holding the digest of the data settings;
 - train, evaluate, export, publish: `runs/<date>/<run>/_SUCCESS.<stage>`, where <run> is the
@@ -25,7 +25,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from conductor import stages
 from conductor.lock import WorkdirLock
@@ -52,18 +52,23 @@ from recsys.core.layout import (
     WorkdirFile,
     clean_temporaries,
     is_complete,
-    mark_stage,
     missing_outputs,
     new_run_id,
-    stage_info,
 )
 from recsys.core.progress import shown
 from recsys.core.records import (
+    EvaluateMarker,
+    ExportMarker,
+    PreprocessMarker,
+    PublishMarker,
     RecordError,
     RunKeyRecord,
+    StageMarker,
+    read_marker,
     read_metrics,
     read_record,
     read_stats,
+    write_marker,
     write_record,
 )
 from recsys.serving_state import champion_record
@@ -72,6 +77,7 @@ from recsys.tracking.runs import check_tracking_store, connect, log_file_redacte
 from serving_export.integrity import check_serving
 
 log = logging.getLogger(__name__)
+M = TypeVar("M", bound=StageMarker)
 
 RUN_KEY = RunFile.NIGHTLY
 SUMMARY = RunFile.SUMMARY
@@ -113,10 +119,18 @@ class NightlyResult:
         """True when every stage had finished before this invocation."""
         return all(s.status == "skipped" for s in self.stages)
 
-    def info(self, stage: str) -> dict[str, Any]:
-        """The marker of a finished stage (empty if it did not finish)."""
+    def marker(self, stage: str) -> StageMarker | None:
+        """The marker of a finished stage (None if it did not finish)."""
         folder = self.data_dir if stage == "preprocess" else self.run_dir
-        return (stage_info(folder, stage) if folder else None) or {}
+        return read_marker(folder, stage) if folder else None
+
+    def outcome(self, kind: type[M]) -> M:
+        """A finished stage's marker, by its type (StageNotReadyError if it did not finish)."""
+        stage = kind.model_fields["stage"].default
+        marker = self.marker(stage)
+        if not isinstance(marker, kind):
+            raise StageNotReadyError(f"nightly {self.date}: stage {stage} has not finished")
+        return marker
 
 
 def preprocess_digest(config: RecsysConfig) -> str:
@@ -250,14 +264,14 @@ class _Nightly:
     def _folder(self, name: str) -> Path:
         return self.workdir.data(self.date) if name == "preprocess" else self.run_dir
 
-    def _done(self, name: str) -> dict[str, Any] | None:
-        info = stage_info(self._folder(name), name)
-        if info is None or missing_outputs(name, self._folder(name)):
+    def _done(self, name: str) -> StageMarker | None:
+        marker = read_marker(self._folder(name), name)
+        if marker is None or missing_outputs(name, self._folder(name)):
             return None
-        if name == "preprocess":
-            valid = is_complete(self._folder(name)) and info.get("digest") == self._pre_digest
-            return info if valid else None
-        return info
+        if isinstance(marker, PreprocessMarker):
+            valid = is_complete(self._folder(name)) and marker.digest == self._pre_digest
+            return marker if valid else None
+        return marker
 
     def _stage(self, name: str, redo: set[str], action: Callable[[], dict[str, Any]]) -> Any:
         number = STAGES.index(name) + 1
@@ -268,9 +282,9 @@ class _Nightly:
                 number,
                 len(STAGES),
                 name,
-                done.get("finished"),
+                done.finished,
             )
-            self.outcomes.append(StageOutcome(name, "skipped", float(done.get("seconds", 0.0))))
+            self.outcomes.append(StageOutcome(name, "skipped", done.seconds))
             return self._folder(name)
         log.info("stage %d/%d %s: running", number, len(STAGES), name)
         start = time.perf_counter()
@@ -289,7 +303,7 @@ class _Nightly:
             raise _failed(name, exc) from exc
         seconds = time.perf_counter() - start
         folder = self._folder(name)
-        mark_stage(folder, name, {"seconds": round(seconds, 3), **info})
+        write_marker(folder, name, seconds, info)
         mirror.push(self.workdir)  # a bucket workdir keeps every finished stage
         log.info("stage %d/%d %s: done in %.1f s", number, len(STAGES), name, seconds)
         self.outcomes.append(StageOutcome(name, "ran", seconds))
@@ -329,7 +343,7 @@ class _Nightly:
             if not candidate.is_dir():  # an operator's note or a download beside the runs
                 continue
             # A fresh run (train redone) may still take a folder whose training never finished.
-            trained = stage_info(candidate, "train") is not None
+            trained = read_marker(candidate, "train") is not None
             if _run_key(candidate) == key and not (fresh and trained):
                 return candidate
         run_dir = self.workdir.run(self.date, new_run_id(self.config.digest()))
@@ -514,29 +528,28 @@ def _is_date(name: str) -> bool:
 
 def write_summary(result: NightlyResult) -> Path:
     """The run's Markdown summary: stages and timings, counts, metrics, gate decision."""
-    pre, ev = result.info("preprocess"), result.info("evaluate")
-    exp, pub = result.info("export"), result.info("publish")
+    pre, ev = result.outcome(PreprocessMarker), result.outcome(EvaluateMarker)
+    exp, pub = result.outcome(ExportMarker), result.outcome(PublishMarker)
     lines = [f"# recsys nightly {result.date}", "", f"Run folder: `{result.run_dir}`", ""]
     lines += ["| stage | status | seconds |", "|---|---|---|"]
     lines += [f"| {s.name} | {s.status} | {s.seconds:.1f} |" for s in result.stages]
-    splits = pre.get("splits") or {}
     lines += [
         "",
         "## Data",
-        f"Input rows {pre.get('input_rows')}, rejected {pre.get('rejected')}; "
-        + ", ".join(f"{k} {v}" for k, v in splits.items()),
+        f"Input rows {pre.input_rows}, rejected {pre.rejected}; "
+        + ", ".join(f"{k} {v}" for k, v in pre.splits.items()),
         "",
     ]
-    lines += _metrics_table(result.run, ev.get("metrics") or {})
+    lines += _metrics_table(result.run, ev.metrics)
     lines += [
         "",
         "## Gate and export",
-        f"- Decision: {pub.get('summary', 'not published')}",
-        f"- Registered version {pub.get('registered_version')}; champion now "
-        f"{pub.get('champion_version')}; MLflow run `{pub.get('mlflow_run_id')}`",
-        f"- Export version {exp.get('version')}"
-        + ("" if exp.get("verified", True) else " (NOT verified: export.verify is false)"),
-        *(f"- Note: {note}" for note in pub.get("notes") or []),
+        f"- Decision: {pub.summary}",
+        f"- Registered version {pub.registered_version}; champion now "
+        f"{pub.champion_version}; MLflow run `{pub.mlflow_run_id}`",
+        f"- Export version {exp.version}"
+        + ("" if exp.verified else " (NOT verified: export.verify is false)"),
+        *(f"- Note: {note}" for note in pub.notes),
         *(f"- Serving: {problem}" for problem in result.serving_problems),
         "",
     ]
@@ -567,9 +580,10 @@ def _metrics_table(run_dir: Path, metrics: dict[str, float]) -> list[str]:
 
 
 def _log_summary(config: RecsysConfig, workdir: Workdir, result: NightlyResult) -> None:
-    run_id = result.info("publish").get("mlflow_run_id")
-    if not run_id or result.summary_path is None:
+    published = result.marker("publish")
+    if not isinstance(published, PublishMarker) or result.summary_path is None:
         return
+    run_id = published.mlflow_run_id
     try:
         log_file_redacted(connect(config, workdir.root), run_id, result.summary_path)
     except Exception as exc:  # the summary is in the run folder either way

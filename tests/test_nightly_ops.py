@@ -14,6 +14,7 @@ from pathlib import Path
 from zoneinfo import ZoneInfo
 
 import pytest
+from pydantic import ValidationError
 
 from conductor.lock import LOCK_FILE, WorkdirLock
 from conductor.nightly import (
@@ -29,11 +30,16 @@ from recsys.core.layout import (
     RunFile,
     Workdir,
     clean_temporaries,
-    mark_stage,
     parse_date,
-    stage_info,
 )
-from recsys.core.records import MetricsRecord, SampleSize, write_record
+from recsys.core.records import (
+    MetricsRecord,
+    SampleSize,
+    TrainMarker,
+    read_marker,
+    write_marker,
+    write_record,
+)
 
 _HOLD = textwrap.dedent(
     """
@@ -169,19 +175,29 @@ def test_default_date_is_yesterday_in_the_configured_zone() -> None:
 
 
 def test_stage_markers_are_written_whole(tmp_path: Path) -> None:
-    assert stage_info(tmp_path, "train") is None
-    mark_stage(tmp_path, "train", {"seconds": 1.5})
-    info = stage_info(tmp_path, "train")
-    assert info is not None and info["seconds"] == 1.5 and "finished" in info
+    assert read_marker(tmp_path, "train") is None
+    write_marker(tmp_path, "train", 1.5, {"best_epoch": 2, "examples_per_second": 10.0})
+    marker = read_marker(tmp_path, "train")
+    assert isinstance(marker, TrainMarker) and marker.seconds == 1.5 and marker.finished
     assert sorted(p.name for p in tmp_path.iterdir()) == ["_SUCCESS.train"]
+
+
+def test_a_marker_of_another_release_makes_the_stage_run_again(tmp_path: Path) -> None:
+    """An untyped marker (as earlier releases wrote them) is not trusted: not finished."""
+    (tmp_path / "_SUCCESS.train").write_text('{"seconds": 1.5, "finished": "2026-01-05"}')
+    assert read_marker(tmp_path, "train") is None
+    with pytest.raises(ValidationError, match="best_epoch"):
+        write_marker(tmp_path, "train", 1.0, {"examples_per_second": 1.0})
 
 
 def test_summary_lists_stages_counts_metrics_and_decision(tmp_path: Path) -> None:
     data, run = tmp_path / "data", tmp_path / "run"
     data.mkdir()
     run.mkdir()
-    mark_stage(data, "preprocess", {"input_rows": 1000, "rejected": 3, "splits": {"train": 900}})
-    mark_stage(run, "evaluate", {"metrics": {"recall_at_10": 0.25}})
+    preprocessed = {"digest": "d", "fingerprint": "f", "pipeline_seconds": 2.0}
+    counts = {"input_rows": 1000, "rejected": 3, "splits": {"train": 900}}
+    write_marker(data, "preprocess", 3.0, {**preprocessed, **counts})
+    write_marker(run, "evaluate", 1.0, {"metrics": {"recall_at_10": 0.25}})
     metrics = MetricsRecord(
         protocol="leave-last-out",
         evaluated_model="model",
@@ -191,12 +207,15 @@ def test_summary_lists_stages_counts_metrics_and_decision(tmp_path: Path) -> Non
         sample=SampleSize(users=8, of=8),
     )
     write_record(run / RunFile.METRICS, metrics)
-    mark_stage(run, "export", {"version": 4})
-    mark_stage(
-        run,
-        "publish",
-        {"summary": "gate: KEEP: no gain", "registered_version": "4", "mlflow_run_id": "abc"},
-    )
+    write_marker(run, "export", 1.0, {"version": 4, "verified": True})
+    published = {
+        "summary": "gate: KEEP: no gain",
+        "registered_version": "4",
+        "mlflow_run_id": "abc",
+    }
+    gate = {"champion_version": "3", "decision": "keep", "promoted": False, "notes": []}
+    published["mlflow_run_id"] = "abc"
+    write_marker(run, "publish", 1.0, {**published, **gate, "checks": []})
     outcomes = [StageOutcome("preprocess", "skipped", 3.0), StageOutcome("train", "ran", 12.5)]
     path = write_summary(NightlyResult(dt.date(2026, 1, 5), data, run, outcomes))
     text = path.read_text()

@@ -19,7 +19,6 @@
 from __future__ import annotations
 
 import datetime as dt
-import json
 import logging
 import os
 import re
@@ -533,25 +532,6 @@ def mark_complete(stage_dir: Path) -> None:
 def stage_marker(folder: Path, stage: str) -> Path:
     """The marker a nightly stage writes into its output folder when it finished."""
     return folder / f"{SUCCESS}.{stage}"
-
-
-def mark_stage(folder: Path, stage: str, info: dict[str, object]) -> None:
-    """Record a finished stage (what it did, how long) atomically: the marker is all or nothing."""
-    marker = stage_marker(folder, stage)
-    tmp = marker.with_name(f".{marker.name}.{uuid.uuid4().hex[:8]}")
-    payload = {"finished": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"), **info}
-    tmp.write_text(json.dumps(payload, indent=2, sort_keys=True, default=str) + "\n")
-    os.replace(tmp, marker)
-
-
-def stage_info(folder: Path, stage: str) -> dict[str, object] | None:
-    """What a finished stage recorded, or None if it has not finished."""
-    marker = stage_marker(folder, stage)
-    try:
-        info = json.loads(marker.read_text())
-    except (FileNotFoundError, ValueError):
-        return None
-    return info if isinstance(info, dict) else None
 
 
 def temp_prefix(kind: str, what: str) -> str:

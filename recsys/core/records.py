@@ -12,7 +12,11 @@ record                      file                             written by
 `TrainRecord`               runs/<date>/<run>/train.json     recsys train
 `MetricsRecord`             runs/<date>/<run>/metrics.json   recsys evaluate
 `ExportRecord`              runs/<date>/<run>/export.json    recsys export
+`PreprocessMarker` ...      <folder>/_SUCCESS.<stage>        recsys nightly (per stage)
 ==========================  ===============================  =============================
+
+The stage markers are the nightly's own record of each finished stage (when, how long, what
+it did); the run's summary.md and the CLI's report are written from them.
 
 `read_record(TrainRecord, path)` validates; `write_record(path, record)` writes atomically
 (a temporary sibling renamed over the file, so a reader never sees half a record).
@@ -20,14 +24,18 @@ record                      file                             written by
 
 from __future__ import annotations
 
+import datetime as dt
 import json
+import logging
 from pathlib import Path
 from typing import Any, ClassVar, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from recsys.core.errors import StageNotReadyError
-from recsys.core.layout import DataFile, RunFile, temp_name
+from recsys.core.layout import DataFile, RunFile, stage_marker, temp_name
+
+log = logging.getLogger(__name__)
 
 FORMAT_VERSION = 1
 """The format every record of this release is written in (raised on an incompatible change)."""
@@ -174,6 +182,89 @@ class ExportRecord(StageRecord):
     seconds: dict[str, float]
 
 
+class StageMarker(StageRecord):
+    """`_SUCCESS.<stage>`: a nightly stage finished, when and in how many seconds."""
+
+    KIND: ClassVar[str] = "stage"
+    PRODUCER: ClassVar[str] = "recsys nightly"
+
+    record: Literal["stage"] = "stage"
+    stage: str
+    finished: str = Field(description="UTC time, ISO 8601, to the second.")
+    seconds: float = Field(ge=0)
+
+
+class PreprocessMarker(StageMarker):
+    """Preprocess: the Beam job's counts, and the digest of the settings it ran with."""
+
+    stage: Literal["preprocess"] = "preprocess"
+    digest: str
+    fingerprint: str
+    input_rows: int = Field(ge=0)
+    rejected: int = Field(ge=0)
+    splits: dict[str, int]
+    pipeline_seconds: float = Field(ge=0)
+
+
+class TrainMarker(StageMarker):
+    """Train: the epoch kept and the training speed."""
+
+    stage: Literal["train"] = "train"
+    best_epoch: int | None
+    examples_per_second: float = Field(ge=0)
+
+
+class EvaluateMarker(StageMarker):
+    """Evaluate: the model's test metrics."""
+
+    stage: Literal["evaluate"] = "evaluate"
+    metrics: dict[str, float]
+
+
+class ExportMarker(StageMarker):
+    """Export: the version released, and whether it was verified in a fresh process."""
+
+    stage: Literal["export"] = "export"
+    version: int = Field(ge=1)
+    verified: bool
+
+
+class GateCheck(BaseModel):
+    """One metric the gate compared: the challenger's delta and its interval."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, ser_json_inf_nan="constants")
+
+    metric: str
+    delta: float
+    ci_low: float | None
+    ci_high: float | None
+    passed: bool
+
+
+class PublishMarker(StageMarker):
+    """Publish: the MLflow run, the registered version and the gate's decision."""
+
+    stage: Literal["publish"] = "publish"
+    mlflow_run_id: str
+    registered_version: str
+    champion_version: str
+    decision: str
+    promoted: bool
+    summary: str
+    notes: list[str]
+    checks: list[GateCheck]
+
+
+MARKERS: dict[str, type[StageMarker]] = {
+    "preprocess": PreprocessMarker,
+    "train": TrainMarker,
+    "evaluate": EvaluateMarker,
+    "export": ExportMarker,
+    "publish": PublishMarker,
+}
+"""Each nightly stage's marker type (the stages of recsys.core.layout.STAGES)."""
+
+
 R = TypeVar("R", bound=StageRecord)
 
 
@@ -239,3 +330,26 @@ def read_metrics(run_dir: Path) -> MetricsRecord:
 def read_export(run_dir: Path) -> ExportRecord:
     """A run folder's export.json."""
     return read_record(ExportRecord, run_dir / RunFile.EXPORT)
+
+
+def write_marker(folder: Path, stage: str, seconds: float, outcome: dict[str, Any]) -> StageMarker:
+    """Mark `stage` finished in its output folder (atomically: the marker is all or nothing)."""
+    finished = dt.datetime.now(dt.UTC).isoformat(timespec="seconds")
+    marker = MARKERS[stage].model_validate(
+        {"finished": finished, "seconds": round(seconds, 3), **outcome}
+    )
+    write_record(stage_marker(folder, stage), marker)
+    return marker
+
+
+def read_marker(folder: Path, stage: str) -> StageMarker | None:
+    """The finished stage's marker; None if it has not finished, or if its marker is not this
+    release's (the stage then runs again rather than trust what it cannot read)."""
+    path = stage_marker(folder, stage)
+    if not path.is_file():
+        return None
+    try:
+        return read_record(MARKERS[stage], path)
+    except RecordError as exc:
+        log.warning("stage %s is run again: %s", stage, exc)
+        return None
