@@ -189,10 +189,10 @@ def _publish(
     champion = registry.alias_version(client, name, registry.CHAMPION)
     if champion is not None and (legacy := registry.legacy_reason(name, champion)):
         log.warning("champion: %s", legacy)
-    decision = _decide(
+    decision, current = _decide(
         client, config, workdir, run, run_id, version, champion, bool(state["force_promote"])
     )
-    if decision.promote:
+    if decision.promote and current:
         registry.set_alias(client, name, registry.CHAMPION, version.version)
     notes = [note] if (note := move_challenger(client, name, version, date)) else []
     now_champion = registry.alias_version(client, name, registry.CHAMPION)
@@ -301,17 +301,23 @@ def _decide(
     version: ModelVersion,
     champion: ModelVersion | None,
     force: bool,
-) -> gate.GateDecision:
-    """The gate's decision for this version, recorded on its MLflow run and in gate.json.
+) -> tuple[gate.GateDecision, bool]:
+    """The gate's decision for this version, recorded on its MLflow run and in gate.json, and
+    whether it still applies to today's champion (a recorded one: only if that has not moved).
 
     Invariant: one decision per run. A rerun returns the recorded one (its statistics are not
     recomputed on a champion that may have moved since), except that --force-promote
-    overrides a recorded "keep". The first model is promoted without comparison.
+    overrides a recorded "keep". A recorded "promote" moves `champion` only while the champion
+    is still the version it was compared with: a crash between recording and moving the alias
+    is completed, a newer champion is never replaced by a stale decision. The first model is
+    promoted without comparison.
     """
     recorded = _recorded_decision(client, run_id)
     if recorded is not None and not (force and not recorded.promote):
         log.info("gate already decided for run %s: %s", run_id, recorded.decision)
-        return recorded
+        compared = client.get_run(run_id).data.tags.get("gate.champion_version")
+        now = str(champion.version) if champion else "none"
+        return recorded, compared in (now, str(version.version))
     if champion is None:
         decision = gate.first_model_decision()
     elif str(champion.version) == str(version.version):
@@ -321,7 +327,7 @@ def _decide(
             client, config, workdir, run.run_dir, run.data_dir, champion, force
         )
     _log_decision(client, run_id, run.run_dir, decision, champion)
-    return decision
+    return decision, True
 
 
 def sync_serving_state(

@@ -249,6 +249,31 @@ def test_force_promote_overrides_a_kept_gate_and_is_recorded(
     assert gate["forced"] is True and gate["champion_version"] == "1"
 
 
+def test_a_recorded_promotion_completes_but_never_replaces_a_newer_champion(
+    server: MlflowServer, small_config: RecsysConfig, tmp_path: Path
+) -> None:
+    """A rerun after a crash between recording "promote" and moving `champion` moves it; a
+    rerun after another version became champion leaves that one serving."""
+    config = configured(small_config, server.uri, "reg-recorded")
+    workdir = Workdir(tmp_path)
+    client = MlflowClient(server.uri)
+    run_dir = fake_run(workdir, config, DATE, PER_USER)
+    publish_run(config, workdir, DATE, run_dir)
+    client.delete_registered_model_alias("reg-recorded", "champion")  # the crash's state
+    again = publish_run(config, workdir, DATE, run_dir)
+    assert again.decision.promote and again.champion_version == "1"
+
+    days = [dt.date(2026, 1, 6), dt.date(2026, 1, 7)]
+    runs = [fake_run(workdir, config, d, PER_USER, fingerprint=f"fp-{d.day}") for d in days]
+    forced = publish_run(config, workdir, days[0], runs[0], force_promote=True)
+    assert forced.champion_version == "2"
+    newer = publish_run(config, workdir, days[1], runs[1], force_promote=True)
+    assert newer.champion_version == "3"
+    stale = publish_run(config, workdir, days[0], runs[0])  # version 2's decision, recorded
+    assert stale.decision.promote and stale.champion_version == "3"
+    assert client.get_registered_model("reg-recorded").aliases["champion"] == "3"
+
+
 def test_publishing_over_a_champion_registered_before_mlflow_models_warns(
     server: MlflowServer,
     small_config: RecsysConfig,
