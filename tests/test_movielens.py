@@ -23,6 +23,6 @@ def test_movielens_100k_beats_popularity(ml100k: Path, tmp_path: Path) -> None:
     assert stats["splits"]["test"] == 943
     run_dir, _ = stages.train(config, workdir, date, data_dir)
     _, report = stages.evaluate(config, workdir, date, run_dir.name)
-    model, popularity = report["model"], report["baselines"]["popularity"]
+    model, popularity = report.model, report.baselines["popularity"]
     assert model["eval_users"] == popularity["eval_users"] == 943
     assert model["recall_at_100"] > popularity["recall_at_100"]

@@ -61,16 +61,16 @@ def test_evaluate_writes_metrics_and_per_user_values(
     stages.train(config, workdir, DATE)
     run_dir, report = stages.evaluate(config, workdir, DATE)
     test_rows = len(load_split(data_dir, "test")["user_id"])
-    assert report["model"]["eval_users"] == test_rows > 0
+    assert report.model["eval_users"] == test_rows > 0
     for name in ("recall_at_10", "recall_at_50", "ndcg_at_10", "mrr_at_100", "coverage_at_10"):
-        assert 0.0 <= report["model"][name] <= 1.0
-        assert name in report["baselines"]["popularity"]
+        assert 0.0 <= report.model[name] <= 1.0
+        assert name in report.baselines["popularity"]
     import pyarrow.parquet as pq
 
     per_user = pq.read_table(run_dir / "per_user_eval.parquet")
     assert per_user.num_rows == test_rows
     assert np.mean(per_user["recall_at_10"].to_numpy()) == pytest.approx(
-        report["model"]["recall_at_10"]
+        report.model["recall_at_10"]
     )
 
 
@@ -88,9 +88,9 @@ def test_refit_all_run_serves_the_refit_and_evaluates_the_first_fit(
     served, first = TrainedModel.load(run_dir / "model"), TrainedModel.load(run_dir / "eval_model")
     assert not np.allclose(served.item_embeddings(), first.item_embeddings())
     _, report = stages.evaluate(config, workdir, DATE, run_dir.name)
-    assert report["evaluated_model"] == "eval_model"
+    assert report.evaluated_model == "eval_model"
     _, of_first = evaluate_model(config, run_dir / "eval_model", data_dir)
     _, of_served = evaluate_model(config, run_dir / "model", data_dir)
-    assert report["model"]["recall_at_50"] == pytest.approx(of_first.metrics["recall_at_50"])
+    assert report.model["recall_at_50"] == pytest.approx(of_first.metrics["recall_at_50"])
     # The served model trained on these very test items: it must not be what is reported.
     assert of_served.metrics["recall_at_50"] != pytest.approx(of_first.metrics["recall_at_50"])

@@ -61,7 +61,7 @@ def test_step_budget_caps_epochs_and_sampled_evaluation_reports_intervals(
     run_dir, _ = stages.train(config, workdir, dt.date.fromisoformat(SMALL_DATE), data_dir)
     _, report = stages.evaluate(config, workdir, dt.date.fromisoformat(SMALL_DATE), run_dir.name)
     population = json.loads((data_dir / "stats.json").read_text())["splits"]["test"]
-    assert report["sample"] == {"users": 40, "of": population} and population > 40
-    lo, hi = report["intervals"]["model"]["recall_at_10"]
-    assert lo < report["model"]["recall_at_10"] < hi
-    assert report["model"]["eval_users"] == 40
+    assert (report.sample.users, report.sample.of) == (40, population) and population > 40
+    lo, hi = report.intervals["model"]["recall_at_10"]
+    assert lo < report.model["recall_at_10"] < hi
+    assert report.model["eval_users"] == 40
