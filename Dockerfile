@@ -64,6 +64,13 @@ ENV TF_USE_LEGACY_KERAS=1 \
 RUN groupadd --gid 10001 recsys \
     && useradd --uid 10001 --gid recsys --create-home --home-dir /home/recsys \
        --shell /usr/sbin/nologin recsys
+# The OpenMP runtime that implicit's compiled extensions link (libgomp.so.1; its wheels do not
+# bundle it and the slim image lacks it): a runtime library, no build tool. Its version is
+# the Debian release's, fixed by the pinned base image tag and its security updates.
+# hadolint ignore=DL3008
+RUN apt-get update \
+    && apt-get install -y --no-install-recommends libgomp1 \
+    && rm -rf /var/lib/apt/lists/*
 WORKDIR /work
 
 # The CPU venv, shared by the recsys and beam-sdk images.
