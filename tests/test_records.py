@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import datetime as dt
 import json
+import math
 import subprocess
 import sys
 from pathlib import Path
@@ -14,8 +15,11 @@ from recsys.core import layout
 from recsys.core.layout import RunFile, Workdir, mark_complete, new_run_id
 from recsys.core.records import (
     FORMAT_VERSION,
+    AlsRecord,
+    AlsTrialRecord,
     ExportRecord,
     MetricsRecord,
+    PairedComparison,
     RecordError,
     RunKeyRecord,
     SampleSize,
@@ -95,6 +99,30 @@ def test_a_record_reads_back_as_written(record: StageRecord, tmp_path: Path) -> 
     back = read_record(type(record), path)
     assert back.model_dump_json() == record.model_dump_json()
     assert [p.name for p in tmp_path.iterdir()] == ["record.json"]  # no temporary left
+
+
+def test_metrics_with_als_read_back_and_without_it_have_no_key(tmp_path: Path) -> None:
+    metrics = next(r for r in RECORDS if isinstance(r, MetricsRecord))
+    comparison = PairedComparison(
+        metric="recall_at_10", model=0.25, baseline=0.3, delta=-0.05, ci_low=-0.09,
+        ci_high=-0.01, confidence=0.95, users=10,
+    )  # fmt: skip
+    trial = AlsTrialRecord(factors=64, regularization=1, alpha=10, validation=math.nan, seconds=1)
+    als = AlsRecord(
+        metric="recall_at_10", factors=64, regularization=1, alpha=10, iterations=15,
+        validation=math.nan, trials=[trial], grid_size=12, budget_exhausted=True, max_seconds=1,
+        seconds=2.5, comparison=comparison, notes=["no validation positions"],
+    )  # fmt: skip
+    with_als = metrics.model_copy(update={"als": als})
+    write_record(tmp_path / "with.json", with_als)
+    back = read_record(MetricsRecord, tmp_path / "with.json")
+    assert back.model_dump_json() == with_als.model_dump_json()
+    assert back.als is not None and math.isnan(back.als.validation)
+    # Without ALS the file is the one written before the field existed (no `als` key), and
+    # such a file reads as a run without ALS.
+    write_record(tmp_path / "without.json", metrics)
+    assert "als" not in json.loads((tmp_path / "without.json").read_text())
+    assert read_record(MetricsRecord, tmp_path / "without.json").als is None
 
 
 def test_the_other_keys_of_stats_are_kept(tmp_path: Path) -> None:

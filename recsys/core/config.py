@@ -659,6 +659,48 @@ class TrainingConfig(_Strict):
         return REFIT_SPLITS[self.refit]
 
 
+class ClassicBaselineConfig(_Strict):
+    """Implicit ALS (Hu, Koren and Volinsky 2008) fitted and scored beside the model in every
+    evaluate stage: each setting of the grid (factors x regularization x alpha) fitted on the
+    train positions and scored on the validation positions by gate.primary_metric, the best
+    refitted on train + validation and scored on the model's test users (docs/TRACKING.md,
+    "The classic baseline")."""
+
+    enabled: bool = Field(
+        True, description="Fit and score ALS; false: no ALS, metrics.json has no `als` key."
+    )
+    factors: list[Annotated[int, Field(ge=1, le=1024)]] = Field(
+        [64, 128], min_length=1, max_length=10, description="Grid: latent factors."
+    )
+    regularization: list[Annotated[float, Field(gt=0, le=1e6, allow_inf_nan=False)]] = Field(
+        [0.1, 1.0, 10.0], min_length=1, max_length=10, description="Grid: L2 regularization."
+    )
+    alpha: list[Annotated[float, Field(gt=0, le=1e6, allow_inf_nan=False)]] = Field(
+        [1.0, 10.0],
+        min_length=1,
+        max_length=10,
+        description="Grid: confidence weight of an interaction (confidence 1 + alpha).",
+    )
+    iterations: int = Field(15, ge=1, le=100, description="ALS sweeps per fit.")
+    max_seconds: float = Field(
+        300.0,
+        gt=0,
+        le=MAX_SECONDS,
+        allow_inf_nan=False,
+        description="Time budget of the search: a setting starts only while the time spent "
+        "plus one more fit and the final refit (each as long as the slowest fit so far) fit "
+        "in it; the first setting always runs. When it cuts the grid, the best setting so far "
+        "is used and metrics.json says so.",
+    )
+    policy: Literal["warn", "refuse"] = Field(
+        "warn",
+        description="When the model scores below ALS on gate.primary_metric (point "
+        "estimate): warn (a warning and the summary line; the gate decides as before) or "
+        "refuse (the gate also refuses to promote it; with no champion yet nothing is "
+        "promoted).",
+    )
+
+
 class EvaluationConfig(_Strict):
     """Exact top-K evaluation over the whole catalog."""
 
@@ -682,6 +724,9 @@ class EvaluationConfig(_Strict):
         "population.",
     )
     sample_seed: int = Field(0, ge=0, le=MAX_SEED, description="Seed of the user sample.")
+    classic_baseline: ClassicBaselineConfig = Field(
+        ClassicBaselineConfig(), description="Implicit ALS beside the model, every night."
+    )
 
     @field_validator("ks")
     @classmethod

@@ -27,10 +27,18 @@ from __future__ import annotations
 import datetime as dt
 import json
 import logging
+import math
 from pathlib import Path
 from typing import Any, ClassVar, Literal, TypeVar
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    SerializerFunctionWrapHandler,
+    ValidationError,
+    model_serializer,
+)
 
 from recsys.core.errors import StageNotReadyError
 from recsys.core.layout import DataFile, RunFile, stage_marker, temp_name
@@ -146,8 +154,88 @@ class SampleSize(BaseModel):
     of: int = Field(ge=0)
 
 
+class PairedComparison(BaseModel):
+    """The model against a baseline on one metric, paired on the same test users: the mean
+    per-user difference (model - baseline) and its bootstrap interval."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, ser_json_inf_nan="constants")
+
+    metric: str
+    model: float
+    baseline: float
+    delta: float
+    ci_low: float
+    ci_high: float
+    confidence: float = Field(gt=0, lt=1)
+    users: int = Field(ge=0)
+
+    @property
+    def model_loses(self) -> bool:
+        """The model's point estimate is below the baseline's (NaN counts as losing)."""
+        return not self.delta >= 0
+
+    def line(self, baseline: str) -> str:
+        """One plain sentence: who won on the metric, by how much, and the interval."""
+        relative = ""
+        if self.baseline and math.isfinite(self.delta):  # relative to the baseline's score
+            relative = f"{self.delta / self.baseline:+.1%}; "
+        numbers = (
+            f"({relative}model - {baseline} {self.delta:+.4f}, {self.confidence:.0%} CI "
+            f"[{self.ci_low:+.4f}, {self.ci_high:+.4f}] over {self.users} users)"
+        )
+        if self.model_loses:
+            head = f"{baseline} beat the model on {self.metric}: {self.baseline:.4f} vs "
+            return head + f"{self.model:.4f} {numbers}"
+        verb = "matched" if self.delta == 0 else "beat"
+        head = f"The model {verb} {baseline} on {self.metric}: {self.model:.4f} vs "
+        return head + f"{self.baseline:.4f} {numbers}"
+
+
+class AlsTrialRecord(BaseModel):
+    """One ALS setting tried: fitted on the train positions, scored on validation."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, ser_json_inf_nan="constants")
+
+    factors: int = Field(ge=1)
+    regularization: float
+    alpha: float
+    validation: float = Field(description="The metric on the validation positions (NaN: none).")
+    seconds: float = Field(ge=0)
+
+
+class AlsRecord(BaseModel):
+    """The classic baseline of the night (implicit ALS): the setting chosen on validation,
+    what the search tried and cost, and the model's paired comparison with it on the test."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, ser_json_inf_nan="constants")
+
+    metric: str = Field(description="What the setting was chosen on and compared on.")
+    factors: int = Field(ge=1)
+    regularization: float
+    alpha: float
+    iterations: int = Field(ge=1)
+    validation: float = Field(description="The chosen setting's validation score (NaN: none).")
+    trials: list[AlsTrialRecord]
+    grid_size: int = Field(ge=1)
+    budget_exhausted: bool = Field(description="max_seconds stopped the search mid-grid.")
+    max_seconds: float = Field(gt=0)
+    seconds: float = Field(ge=0, description="All of it: search, refit and test scoring.")
+    comparison: PairedComparison
+    notes: list[str] = Field(default_factory=list)
+
+    def settings(self) -> str:
+        """The chosen setting and how it was found, in a few words."""
+        cut = ", stopped by max_seconds" if self.budget_exhausted else ""
+        return (
+            f"factors {self.factors}, regularization {self.regularization:g}, alpha "
+            f"{self.alpha:g}; validation {self.metric} {self.validation:.4f}; "
+            f"{len(self.trials)} of {self.grid_size} settings tried{cut}; {self.seconds:.1f} s"
+        )
+
+
 class MetricsRecord(StageRecord):
-    """metrics.json: the evaluate stage's test metrics beside the popularity baseline."""
+    """metrics.json: the evaluate stage's test metrics beside the popularity baseline (and
+    ALS, when evaluation.classic_baseline is enabled)."""
 
     KIND: ClassVar[str] = "metrics"
     PRODUCER: ClassVar[str] = "recsys evaluate"
@@ -160,6 +248,17 @@ class MetricsRecord(StageRecord):
     # 95% intervals over users: {"model": {metric: (low, high)}, "popularity": {...}}.
     intervals: dict[str, dict[str, tuple[float, float]]]
     sample: SampleSize
+    # Optional with a default: metrics.json files written before it still read (no ALS).
+    als: AlsRecord | None = None
+
+    @model_serializer(mode="wrap")
+    def _no_als_key_without_als(self, handler: SerializerFunctionWrapHandler) -> Any:
+        # Without ALS (evaluation.classic_baseline disabled) the file is what it was before
+        # the field existed: no `als` key at all, not `null`.
+        data = handler(self)
+        if isinstance(data, dict) and data.get("als", False) is None:
+            del data["als"]
+        return data
 
 
 class ExportRecord(StageRecord):
