@@ -16,7 +16,7 @@ import yaml
 
 from conductor import stages
 from conductor.lock import WorkdirLock
-from conductor.nightly import NightlyResult, backfill, run_nightly
+from conductor.nightly import NightlyResult, als_lines, backfill, run_nightly
 from conductor.progress import KerasProgress
 from conductor.promotion import PublishResult
 from conductor.repair import drift_error, repair
@@ -451,3 +451,5 @@ def _print_metrics(report: MetricsRecord) -> None:
         row = f"{name:<16}{model[name]:>10.4f}"
         row += "".join(f"{baselines[b].get(name, float('nan')):>12.4f}" for b in baselines)
         print(row)
+    for line in als_lines(report)[1:]:
+        print(line)

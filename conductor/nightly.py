@@ -59,6 +59,7 @@ from recsys.core.progress import shown
 from recsys.core.records import (
     EvaluateMarker,
     ExportMarker,
+    MetricsRecord,
     PreprocessMarker,
     PublishMarker,
     RecordError,
@@ -541,6 +542,7 @@ def write_summary(result: NightlyResult) -> Path:
         "",
     ]
     lines += _metrics_table(result.run, ev.metrics)
+    lines += als_lines(read_metrics(result.run), "- ")
     lines += [
         "",
         "## Gate and export",
@@ -577,6 +579,19 @@ def _metrics_table(run_dir: Path, metrics: dict[str, float]) -> list[str]:
         others = " | ".join(f"{b.get(name, float('nan')):.4f}" for b in baselines.values())
         lines.append(f"| {name} | {value:.4f} | {others} |")
     return lines
+
+
+def als_lines(report: MetricsRecord, prefix: str = "") -> list[str]:
+    """The classic baseline in plain words: who won on the gate's metric, then how ALS was
+    chosen (none when it was not fitted)."""
+    als = report.als
+    if als is None:
+        return []
+    return [
+        "",
+        f"{prefix}{als.comparison.line('ALS')}",
+        f"{prefix}ALS setting (chosen on validation): {als.settings()}",
+    ]
 
 
 def _log_summary(config: RecsysConfig, workdir: Workdir, result: NightlyResult) -> None:

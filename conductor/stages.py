@@ -28,6 +28,7 @@ import yaml
 from beam_jobs.pipeline import run_preprocess
 from conductor.promotion import pending_runs, publish_run
 from recsys import evaluation as ev
+from recsys.als_baseline import als_baseline
 from recsys.core import mirror, storage
 from recsys.core.config import ItemsConfig, RecsysConfig, parse_config
 from recsys.core.errors import ConfigError, DataError, StorageError
@@ -35,6 +36,7 @@ from recsys.core.faults import fault_point
 from recsys.core.layout import (
     DataFile,
     EmbeddingsFile,
+    ModelFile,
     RunDir,
     RunFile,
     Workdir,
@@ -47,6 +49,8 @@ from recsys.core.layout import (
 )
 from recsys.core.progress import bar
 from recsys.core.records import (
+    AlsRecord,
+    AlsTrialRecord,
     ExportRecord,
     MetricsRecord,
     RecordError,
@@ -58,10 +62,11 @@ from recsys.core.records import (
 )
 from recsys.core.redact import redact_tree
 from recsys.core.resolve import write_settings
-from recsys.model import TrainedModel
+from recsys.model import TrainedModel, read_vocab
 from recsys.model_evaluation import evaluate_model
 from recsys.serving_state import champion_record
 from recsys.synthetic import items_path, write_csv, write_items_csv
+from recsys.tracking import gate
 from recsys.training.result import TrainResult
 from recsys.training.trainer import IncrementalStart, is_chief, write_dir
 from recsys.training.trainer import train as fit
@@ -270,7 +275,8 @@ def run_data_dir(run_dir: Path, workdir: Workdir | None = None) -> Path:
 def evaluate(
     config: RecsysConfig, workdir: Workdir, date: dt.date, run_id: str | None = None
 ) -> tuple[Path, MetricsRecord]:
-    """Exact test-set evaluation of a run next to the popularity baseline (same protocol)."""
+    """Exact test-set evaluation of a run next to the popularity and ALS baselines (same
+    protocol, same users)."""
     run_dir = _run_dir(workdir, date, run_id)
     data_dir = run_data_dir(run_dir, workdir)
     model_dir = RunDir(run_dir).evaluated_model
@@ -280,18 +286,86 @@ def evaluate(
     counts = pq.read_table(data_dir / DataFile.ITEM_FEATURES)["train_count"].to_numpy()
     popularity = ev.popularity_scores(np.asarray(counts))
     baseline = ev.evaluate(popularity, eval_set, config.evaluation, "evaluate popularity")
+    baselines = {"popularity": baseline.metrics}
+    # 95% intervals over users; of the whole test population's metric when sampled.
+    intervals = {"model": result.intervals, "popularity": baseline.intervals}
+    als = None
+    if config.evaluation.classic_baseline.enabled:
+        als, als_result = _classic_baseline(config, model_dir, data_dir, eval_set, result)
+        baselines[ALS] = als_result.metrics
+        intervals[ALS] = als_result.intervals
     report = MetricsRecord(
         protocol="leave-last-out test item; train+validation items removed; full catalog",
         # eval_model: the run serves a refit that also trained on the test split.
         evaluated_model=model_dir.name,
         model=result.metrics,
-        baselines={"popularity": baseline.metrics},
-        # 95% intervals over users; of the whole test population's metric when sampled.
-        intervals={"model": result.intervals, "popularity": baseline.intervals},
+        baselines=baselines,
+        intervals=intervals,
         sample=SampleSize(users=len(eval_set.users), of=eval_set.population or len(eval_set.users)),
+        als=als,
     )
     write_record(run_dir / RunFile.METRICS, report)
     return run_dir, report
+
+
+ALS = "als"
+"""The classic baseline's key in metrics.json's baselines and intervals (MLflow: `als_*`)."""
+
+
+def _classic_baseline(
+    config: RecsysConfig,
+    model_dir: Path,
+    data_dir: Path,
+    eval_set: ev.EvalSet,
+    result: ev.EvalResult,
+) -> tuple[AlsRecord, ev.EvalResult]:
+    """ALS chosen on validation and scored on the model's test users; the model's paired
+    comparison with it on the gate's metric (a warning when the model loses)."""
+    metric = config.gate.primary_metric
+    if metric not in result.per_user:
+        available = sorted(k for k in result.per_user if k != "rank")
+        raise ConfigError(
+            f"gate.primary_metric {metric!r} has no per-user values (available: {available}); "
+            "the classic baseline is chosen and compared on it: set gate.primary_metric to one "
+            "of them, or evaluation.classic_baseline.enabled to false"
+        )
+    catalog = read_vocab(model_dir / ModelFile.ITEM_VOCAB)
+    als = als_baseline(config.evaluation, data_dir, catalog, eval_set, metric)
+    comparison = gate.compare_with_baseline(
+        metric, result.per_user[metric], als.test.per_user[metric], config.gate
+    )
+    best = als.choice.best
+    record = AlsRecord(
+        metric=metric,
+        factors=best.setting.factors,
+        regularization=best.setting.regularization,
+        alpha=best.setting.alpha,
+        iterations=als.iterations,
+        validation=best.validation,
+        trials=[
+            AlsTrialRecord(
+                factors=t.setting.factors,
+                regularization=t.setting.regularization,
+                alpha=t.setting.alpha,
+                validation=t.validation,
+                seconds=round(t.seconds, 3),
+            )
+            for t in als.choice.trials
+        ],
+        grid_size=als.choice.grid_size,
+        budget_exhausted=als.choice.budget_exhausted,
+        max_seconds=config.evaluation.classic_baseline.max_seconds,
+        seconds=round(als.seconds, 3),
+        comparison=comparison,
+        notes=als.notes,
+    )
+    line = comparison.line("ALS")
+    if comparison.model_loses:
+        log.warning("evaluate: %s (evaluation.classic_baseline)", line)
+    else:
+        log.info("evaluate: %s", line)
+    log.info("evaluate: ALS %s", record.settings())
+    return record, als.test
 
 
 @dataclass

@@ -33,7 +33,10 @@ from recsys.core.layout import (
     parse_date,
 )
 from recsys.core.records import (
+    AlsRecord,
+    AlsTrialRecord,
     MetricsRecord,
+    PairedComparison,
     SampleSize,
     TrainMarker,
     read_marker,
@@ -190,7 +193,8 @@ def test_a_marker_of_another_release_makes_the_stage_run_again(tmp_path: Path) -
         write_marker(tmp_path, "train", 1.0, {"examples_per_second": 1.0})
 
 
-def test_summary_lists_stages_counts_metrics_and_decision(tmp_path: Path) -> None:
+def _summarised(tmp_path: Path, metrics: MetricsRecord) -> str:
+    """summary.md of a night whose markers and metrics.json are written by hand."""
     data, run = tmp_path / "data", tmp_path / "run"
     data.mkdir()
     run.mkdir()
@@ -198,14 +202,6 @@ def test_summary_lists_stages_counts_metrics_and_decision(tmp_path: Path) -> Non
     counts = {"input_rows": 1000, "rejected": 3, "splits": {"train": 900}}
     write_marker(data, "preprocess", 3.0, {**preprocessed, **counts})
     write_marker(run, "evaluate", 1.0, {"metrics": {"recall_at_10": 0.25}})
-    metrics = MetricsRecord(
-        protocol="leave-last-out",
-        evaluated_model="model",
-        model={"recall_at_10": 0.25},
-        baselines={"popularity": {"recall_at_10": 0.125}},
-        intervals={},
-        sample=SampleSize(users=8, of=8),
-    )
     write_record(run / RunFile.METRICS, metrics)
     write_marker(run, "export", 1.0, {"version": 4, "verified": True})
     published = {
@@ -214,16 +210,61 @@ def test_summary_lists_stages_counts_metrics_and_decision(tmp_path: Path) -> Non
         "mlflow_run_id": "abc",
     }
     gate = {"champion_version": "3", "decision": "keep", "promoted": False, "notes": []}
-    published["mlflow_run_id"] = "abc"
     write_marker(run, "publish", 1.0, {**published, **gate, "checks": []})
     outcomes = [StageOutcome("preprocess", "skipped", 3.0), StageOutcome("train", "ran", 12.5)]
-    path = write_summary(NightlyResult(dt.date(2026, 1, 5), data, run, outcomes))
-    text = path.read_text()
+    return write_summary(NightlyResult(dt.date(2026, 1, 5), data, run, outcomes)).read_text()
+
+
+METRICS = MetricsRecord(
+    protocol="leave-last-out",
+    evaluated_model="model",
+    model={"recall_at_10": 0.25},
+    baselines={"popularity": {"recall_at_10": 0.125}},
+    intervals={},
+    sample=SampleSize(users=8, of=8),
+)
+
+
+def test_summary_lists_stages_counts_metrics_and_decision(tmp_path: Path) -> None:
+    text = _summarised(tmp_path, METRICS)
     assert text.startswith("# recsys nightly 2026-01-05")
     assert "| preprocess | skipped | 3.0 |" in text and "| train | ran | 12.5 |" in text
     assert "Input rows 1000, rejected 3; train 900" in text
     assert "| recall_at_10 | 0.2500 | 0.1250 |" in text  # beside the baseline (metrics.json)
     assert "gate: KEEP: no gain" in text and "Export version 4" in text
+    assert "ALS" not in text  # evaluated without the classic baseline
+
+
+@pytest.mark.parametrize(
+    ("model", "expected"),
+    [
+        (0.0476, "- ALS beat the model on ndcg_at_10: 0.0504 vs 0.0476 (-5.6%; model - ALS "),
+        (0.0530, "- The model beat ALS on ndcg_at_10: 0.0530 vs 0.0504 (+5.2%; model - ALS "),
+    ],
+)
+def test_summary_says_plainly_whether_als_beat_the_model(
+    tmp_path: Path, model: float, expected: str
+) -> None:
+    comparison = PairedComparison(
+        metric="ndcg_at_10", model=model, baseline=0.0504, delta=model - 0.0504,
+        ci_low=model - 0.0524, ci_high=model - 0.0484, confidence=0.95, users=943,
+    )  # fmt: skip
+    trial = AlsTrialRecord(factors=64, regularization=10, alpha=1, validation=0.05, seconds=0.5)
+    als = AlsRecord(
+        metric="ndcg_at_10", factors=64, regularization=10, alpha=1, iterations=15,
+        validation=0.05, trials=[trial], grid_size=12, budget_exhausted=True, max_seconds=1,
+        seconds=1.5, comparison=comparison,
+    )  # fmt: skip
+    baselines = {**METRICS.baselines, "als": {"recall_at_10": 0.2}}
+    text = _summarised(tmp_path, METRICS.model_copy(update={"als": als, "baselines": baselines}))
+    assert "| recall_at_10 | 0.2500 | 0.1250 | 0.2000 |" in text
+    line = next(ln for ln in text.splitlines() if "ALS" in ln and "beat" in ln)
+    assert line.startswith(expected) and line.endswith(" over 943 users)")
+    assert ", 95% CI [" in line
+    assert (
+        "- ALS setting (chosen on validation): factors 64, regularization 10, alpha 1; "
+        "validation ndcg_at_10 0.0500; 1 of 12 settings tried, stopped by max_seconds; 1.5 s"
+    ) in text
 
 
 def test_backfill_refuses_an_inverted_range(tmp_path: Path) -> None:

@@ -19,6 +19,7 @@ import numpy as np
 
 from recsys.core.config import GateConfig
 from recsys.core.errors import ConfigError
+from recsys.core.records import PairedComparison
 
 # Resampled means are computed in chunks so memory stays ~chunk x users, not samples x users.
 _CHUNK_ELEMENTS = 5_000_000
@@ -182,6 +183,31 @@ def decide(
         forced=force and not passed,
         users=n,
         confidence=config.confidence,
+    )
+
+
+def compare_with_baseline(
+    metric: str, model: np.ndarray, baseline: np.ndarray, config: GateConfig
+) -> PairedComparison:
+    """The model against a baseline scored on the same users in the same order: the mean
+    per-user difference (model - baseline) of `metric` and its paired bootstrap interval
+    (the gate's resamples, level and seed)."""
+    a = np.asarray(model, dtype=np.float64)
+    b = np.asarray(baseline, dtype=np.float64)
+    if a.shape != b.shape:
+        raise ValueError(f"per-user arrays must be paired, got shapes {a.shape} and {b.shape}")
+    ci = paired_bootstrap(
+        a - b, samples=config.bootstrap_samples, confidence=config.confidence, seed=config.seed
+    )
+    return PairedComparison(
+        metric=metric,
+        model=_mean(a),
+        baseline=_mean(b),
+        delta=ci.mean,
+        ci_low=ci.low,
+        ci_high=ci.high,
+        confidence=config.confidence,
+        users=len(a),
     )
 
 
