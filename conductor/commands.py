@@ -398,8 +398,7 @@ def _print_published(published: PublishResult | None) -> None:
     decision = published.decision
     print(f"registered:  version {published.version} (champion now: {published.champion_version})")
     print(decision.summary())
-    checks = ([decision.primary] if decision.primary else []) + decision.guardrails
-    _print_checks([vars(c) for c in checks])
+    _print_checks([vars(c) for c in decision.checks])
     for note in published.notes:
         print(f"note:        {note}")
 

@@ -426,7 +426,7 @@ class _Nightly:
                     "ci_high": c.ci_high,
                     "passed": c.passed,
                 }
-                for c in ([decision.primary] if decision.primary else []) + decision.guardrails
+                for c in decision.checks
             ],
         }
 

@@ -32,6 +32,7 @@ from recsys.core.layout import (
     temp_prefix,
 )
 from recsys.core.records import (
+    AlsRecord,
     ExportRecord,
     MetricsRecord,
     TrainRecord,
@@ -224,6 +225,18 @@ def _record_run(
     metrics = {f"test_{k}": v for k, v in run.metrics.model.items()}
     for baseline, values in run.metrics.baselines.items():
         metrics.update({f"{baseline}_{k}": v for k, v in values.items()})
+    als = run.metrics.als
+    if als is not None:
+        c = als.comparison
+        metrics.update(
+            {
+                "als_seconds": als.seconds,
+                f"als_validation_{als.metric}": als.validation,
+                f"model_minus_als_{c.metric}": c.delta,
+                f"model_minus_als_{c.metric}_ci_low": c.ci_low,
+                f"model_minus_als_{c.metric}_ci_high": c.ci_high,
+            }
+        )
     metrics.update(state["timings"])
     metrics["train_examples_per_second"] = run.train.examples_per_second
     metrics["train_loop_seconds"] = run.train.seconds
@@ -247,6 +260,7 @@ def _record_run(
         # every value as trained, and `written.<key>` the value it replaced.
         "dense_log_settings": json.dumps(run.train.dense_log_settings, sort_keys=True),
         **owner_tags(workdir.root),
+        **(_als_tags(als) if als is not None else {}),
     }
     return log_nightly_run(
         config,
@@ -261,6 +275,21 @@ def _record_run(
         tracking_uri=uri,
         params=mlflow_params(read_settings(resolved)) if resolved.is_file() else None,
     )
+
+
+def _als_tags(als: AlsRecord) -> dict[str, str]:
+    """The classic baseline's chosen setting and search, as tags: a rerun of the evaluate
+    stage may choose another setting, which an MLflow param could not take."""
+    return {
+        "als.factors": str(als.factors),
+        "als.regularization": f"{als.regularization:g}",
+        "als.alpha": f"{als.alpha:g}",
+        "als.iterations": str(als.iterations),
+        "als.metric": als.metric,
+        "als.settings_tried": f"{len(als.trials)} of {als.grid_size}",
+        "als.budget_exhausted": str(als.budget_exhausted).lower(),
+        "als.verdict": als.comparison.line("ALS"),
+    }
 
 
 def _run_artifacts(config: RecsysConfig, workdir: Workdir, run: RunRecords) -> list[Artifact]:
@@ -310,7 +339,7 @@ def _decide(
     overrides a recorded "keep". A recorded "promote" moves `champion` only while the champion
     is still the version it was compared with: a crash between recording and moving the alias
     is completed, a newer champion is never replaced by a stale decision. The first model is
-    promoted without comparison.
+    promoted without comparison (unless it loses to ALS under policy refuse).
     """
     recorded = _recorded_decision(client, run_id)
     if recorded is not None and not (force and not recorded.promote):
@@ -319,15 +348,33 @@ def _decide(
         now = str(champion.version) if champion else "none"
         return recorded, compared in (now, str(version.version))
     if champion is None:
-        decision = gate.first_model_decision()
+        decision = _held_against_als(config, run.metrics, gate.first_model_decision(), force)
     elif str(champion.version) == str(version.version):
         decision = gate.GateDecision(True, [f"version {version.version} is already champion"])
     else:
         decision = _gate_against(
             client, config, workdir, run.run_dir, run.data_dir, champion, force
         )
+        decision = _held_against_als(config, run.metrics, decision, force)
     _log_decision(client, run_id, run.run_dir, decision, champion)
     return decision, True
+
+
+def _held_against_als(
+    config: RecsysConfig, metrics: MetricsRecord, decision: gate.GateDecision, force: bool
+) -> gate.GateDecision:
+    """evaluation.classic_baseline.policy refuse: the decision once the challenger is held
+    against the night's ALS (metrics.json); warn: the decision as the gate made it."""
+    if config.evaluation.classic_baseline.policy != "refuse":
+        return decision
+    if metrics.als is None:
+        log.warning(
+            "gate: %s is refuse but metrics.json has no ALS comparison (classic_baseline "
+            "disabled when it was evaluated): gated without it",
+            gate.BASELINE_POLICY,
+        )
+        return decision
+    return gate.with_baseline(decision, metrics.als.comparison, "ALS", force=force)
 
 
 def sync_serving_state(
@@ -482,6 +529,8 @@ def _log_decision(
         )
     for check in decision.guardrails:
         metrics[f"gate_{check.metric}_delta"] = check.delta
+    if decision.baseline is not None:
+        metrics["gate_als_passed"] = float(decision.baseline.passed)
     for key, value in metrics.items():
         client.log_metric(run_id, key, float(value))
     tags = {

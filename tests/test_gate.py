@@ -9,12 +9,16 @@ import pytest
 
 from recsys.core.config import GateConfig, parse_config
 from recsys.core.errors import ConfigError
+from recsys.core.records import PairedComparison
 from recsys.tracking.gate import (
+    FORCED_REASON,
     GateDecision,
+    compare_with_baseline,
     decide,
     first_model_decision,
     pair_users,
     paired_bootstrap,
+    with_baseline,
 )
 
 N = 2000
@@ -179,3 +183,80 @@ def test_gate_config_defaults_and_validation() -> None:
         parse_config({"gate": {"guardrails": {"ndcg_at_10": -0.1}}})
     with pytest.raises(ConfigError, match=r"gate\.confidence"):
         parse_config({"gate": {"confidence": 1.5}})
+
+
+# --- the classic baseline (evaluation.classic_baseline.policy refuse) ------------------------
+
+
+def _against_als(model_rate: float, als_rate: float) -> PairedComparison:
+    return compare_with_baseline("recall_at_50", _hits(model_rate, 5), _hits(als_rate, 6), CONFIG)
+
+
+def _winning_decision() -> GateDecision:
+    champion = _users(_hits(0.30, 1), _hits(0.10, 2))
+    better = _users(np.maximum(champion["recall_at_50"], _hits(0.15, 3)), champion["ndcg_at_10"])
+    decision = decide(
+        champion, better, CONFIG, champion_summary=SUMMARY, challenger_summary=SUMMARY
+    )
+    assert decision.promote
+    return decision
+
+
+def test_the_comparison_with_a_baseline_is_paired() -> None:
+    model, als = _hits(0.30, 5), _hits(0.40, 6)
+    comparison = compare_with_baseline("recall_at_50", model, als, CONFIG)
+    assert comparison.delta == pytest.approx(float((model - als).mean()))
+    assert comparison.model == pytest.approx(model.mean())
+    assert comparison.baseline == pytest.approx(als.mean())
+    assert comparison.ci_low < comparison.delta < comparison.ci_high < 0
+    assert comparison.users == N and comparison.model_loses
+    line = comparison.line("ALS")
+    assert line.startswith("ALS beat the model on recall_at_50: ")
+    assert "95% CI [" in line and f"over {N} users" in line
+
+
+def test_refuse_keeps_a_challenger_that_loses_to_als() -> None:
+    decision = with_baseline(_winning_decision(), _against_als(0.30, 0.40), "ALS")
+    assert not decision.promote and not decision.forced
+    assert decision.baseline is not None and not decision.baseline.passed
+    assert decision.baseline.metric == "recall_at_50 vs ALS"
+    assert "confident improvement" in decision.reasons[0]  # the gate's own reason stays
+    assert "ALS beat the model" in decision.reasons[-1]
+    assert "policy is refuse: not promoted" in decision.summary()
+    assert decision.checks[-1] == decision.baseline
+    again = GateDecision.from_dict(json.loads(json.dumps(decision.to_dict())))
+    assert again == decision
+
+
+def test_refuse_on_the_first_night_promotes_nothing() -> None:
+    decision = with_baseline(first_model_decision(), _against_als(0.30, 0.40), "ALS")
+    assert not decision.promote and decision.first_model
+    (reason,) = decision.reasons
+    assert reason.startswith("no champion yet, but ALS beat the model")
+    assert "nothing is promoted and nothing serves until a model beats ALS" in reason
+
+
+def test_a_challenger_that_beats_als_is_gated_as_before() -> None:
+    decision = with_baseline(_winning_decision(), _against_als(0.40, 0.30), "ALS")
+    assert decision.promote and decision.baseline is not None and decision.baseline.passed
+    assert decision.reasons[-1].startswith("The model beat ALS on recall_at_50")
+    first = with_baseline(first_model_decision(), _against_als(0.40, 0.30), "ALS")
+    assert first.promote and first.first_model
+
+
+def test_force_promotes_over_the_refusal() -> None:
+    decision = with_baseline(first_model_decision(), _against_als(0.30, 0.40), "ALS", force=True)
+    assert decision.promote and decision.forced
+    assert decision.reasons[0] == FORCED_REASON and "refuse would keep it" in decision.reasons[-1]
+    # Forced past the gate already: one FORCED reason, not two.
+    champion = _users(_hits(0.30, 1), _hits(0.10, 2))
+    forced = decide(champion, champion, CONFIG, force=True, champion_summary=SUMMARY,
+                    challenger_summary=SUMMARY)  # fmt: skip
+    forced = with_baseline(forced, _against_als(0.30, 0.40), "ALS", force=True)
+    assert forced.promote and forced.reasons.count(FORCED_REASON) == 1
+
+
+def test_decisions_recorded_before_the_baseline_read_back() -> None:
+    recorded = first_model_decision().to_dict()
+    del recorded["baseline"]
+    assert GateDecision.from_dict(recorded) == first_model_decision()

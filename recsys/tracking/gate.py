@@ -3,7 +3,9 @@
 The challenger is promoted only if, on the same evaluation users,
 - the primary metric's mean per-user gain (challenger - champion) is at least `min_delta`,
 - the paired bootstrap confidence interval of that gain lies above zero, and
-- no guardrail metric drops by more than its tolerance.
+- no guardrail metric drops by more than its tolerance;
+- with `evaluation.classic_baseline.policy: refuse`, it scores at least the night's classic
+  baseline (ALS) on the primary metric (point estimate; metrics.json's paired comparison).
 Any NaN/inf in what is compared fails the gate. See docs/TRACKING.md.
 """
 
@@ -100,6 +102,9 @@ class GateDecision:
     first_model: bool = False
     users: int = 0
     confidence: float = 0.95
+    # The challenger against the classic baseline (policy refuse only): `champion` holds the
+    # baseline's score. Absent from decisions recorded before it existed.
+    baseline: Check | None = None
 
     @property
     def decision(self) -> str:
@@ -115,7 +120,7 @@ class GateDecision:
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> GateDecision:
         """The decision recorded by `to_dict` (a rerun reads it back from gate.json)."""
-        primary = data.get("primary")
+        primary, baseline = data.get("primary"), data.get("baseline")
         return cls(
             promote=bool(data["promote"]),
             reasons=list(data.get("reasons", [])),
@@ -125,7 +130,14 @@ class GateDecision:
             first_model=bool(data.get("first_model", False)),
             users=int(data.get("users", 0)),
             confidence=float(data.get("confidence", 0.95)),
+            baseline=Check(**baseline) if baseline else None,
         )
+
+    @property
+    def checks(self) -> list[Check]:
+        """Every comparison made: primary, guardrails, then the classic baseline."""
+        primary = [self.primary] if self.primary else []
+        return primary + self.guardrails + ([self.baseline] if self.baseline else [])
 
     def summary(self) -> str:
         """One line for the terminal and logs."""
@@ -209,6 +221,50 @@ def compare_with_baseline(
         confidence=config.confidence,
         users=len(a),
     )
+
+
+BASELINE_POLICY = "evaluation.classic_baseline.policy"
+
+
+def with_baseline(
+    decision: GateDecision, comparison: PairedComparison, name: str, *, force: bool = False
+) -> GateDecision:
+    """`decision` once the challenger is held against the night's classic baseline (policy
+    refuse): a challenger whose point estimate is below the baseline's is not promoted, the
+    first model included (then nothing is), unless forced."""
+    passed = not comparison.model_loses
+    reason = comparison.line(name)
+    if not passed and force:
+        reason += f"; {BASELINE_POLICY} refuse would keep it"
+    elif not passed and decision.first_model:
+        reason = (
+            f"no champion yet, but {reason}; {BASELINE_POLICY} is refuse, so nothing is "
+            f"promoted and nothing serves until a model beats {name} (or --force-promote)"
+        )
+    elif not passed:
+        reason += f"; {BASELINE_POLICY} is refuse: not promoted"
+    decision.baseline = Check(
+        metric=f"{comparison.metric} vs {name}",
+        champion=comparison.baseline,
+        challenger=comparison.model,
+        delta=comparison.delta,
+        ci_low=comparison.ci_low,
+        ci_high=comparison.ci_high,
+        threshold=0.0,
+        passed=passed,
+        reason=reason,
+    )
+    if passed or not decision.promote:  # nothing changes: the reason is added
+        decision.reasons.append(reason)
+        return decision
+    if force:
+        forced = [] if decision.forced else [FORCED_REASON]  # forced past the gate already
+        decision.forced = True
+        decision.reasons = [*forced, *decision.reasons, reason]
+    else:
+        decision.promote = False
+        decision.reasons = [reason] if decision.first_model else [*decision.reasons, reason]
+    return decision
 
 
 def _paired_length(champion: Mapping[str, np.ndarray], challenger: Mapping[str, np.ndarray]) -> int:
