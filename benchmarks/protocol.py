@@ -23,6 +23,10 @@ from recsys import evaluation as ev
 
 DATASETS = Path(__file__).resolve().parent.parent / "datasets"  # datasets/README.md
 NAMED = {"ml-100k": DATASETS / "ml-100k", "amazon-beauty": DATASETS / "amazon-beauty"}
+DERIVED = ("amazon-beauty-shuffled", "synthetic")
+"""Logs made at read time: Amazon Beauty with each user's order shuffled (only collaborative
+signal left), and the embedded default data (`recsys.synthetic`, latent tastes, no order)."""
+SHUFFLE_SEED = 0
 _USER = ("user_id", "userId", "user")
 _ITEM = ("item_id", "movieId", "itemId", "item")
 _TIME = ("timestamp", "time", "ts")
@@ -40,7 +44,12 @@ class Log:
 
 
 def read_log(data: str) -> Log:
-    """`ml-100k`, `amazon-beauty` (under datasets/) or a path: u.data, or a CSV with a header."""
+    """`ml-100k`, `amazon-beauty` (under datasets/), a `DERIVED` log, or a path: u.data, or a
+    CSV with a header."""
+    if data == "amazon-beauty-shuffled":
+        return shuffled(read_log("amazon-beauty"), SHUFFLE_SEED)
+    if data == "synthetic":
+        return synthetic_log()
     path = NAMED.get(data, Path(data))
     if path.is_dir():
         path = path / "u.data" if (path / "u.data").is_file() else path / "ratings.csv"
@@ -69,6 +78,39 @@ def read_log(data: str) -> Log:
     stamps = table[cols[2]].to_numpy().astype(np.int64)
     numeric = bool(len(items)) and all(s.isdigit() for s in np.unique(items))
     return Log(users, items, stamps, numeric, str(path))
+
+
+def shuffled(log: Log, seed: int, keep_last: int = 2) -> Log:
+    """Each user's items in a random order (seeded), the last `keep_last` left in place.
+
+    Timestamps keep their positions and items move between them, so the protocol's validation
+    and test items (the last two) are unchanged and every order signal before them is gone.
+    """
+    order = protocol_order(log)
+    users, items = log.users[order], log.items[order].copy()
+    starts = np.flatnonzero(np.r_[True, users[1:] != users[:-1]])
+    ends = np.r_[starts[1:], len(users)]
+    rng = np.random.default_rng(seed)
+    for s, e in zip(starts, ends - keep_last, strict=True):
+        if e - s > 1:
+            items[s:e] = items[s:e][rng.permutation(e - s)]
+    return Log(
+        users, items, log.timestamps[order], log.numeric,
+        f"{log.source} (each user's order shuffled, seed {seed}, last {keep_last} kept)",
+    )  # fmt: skip
+
+
+def synthetic_log() -> Log:
+    """The embedded default data (`configs/default.yaml`'s synthetic section, its defaults)."""
+    from recsys import synthetic
+    from recsys.core.config import SyntheticConfig
+
+    rows = synthetic.generate(SyntheticConfig())
+    users, items, stamps, _ = (np.array(c) for c in zip(*rows, strict=True))
+    return Log(
+        users.astype(str), items.astype(str), stamps.astype(np.int64), False,
+        "synthetic (recsys.synthetic, the default data: 2,000 users, 1,000 items)",
+    )  # fmt: skip
 
 
 def _pick(header: list[str], names: tuple[str, ...], path: Path) -> str:

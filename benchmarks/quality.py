@@ -1,7 +1,8 @@
 """Model quality on any interaction log, under the evaluation protocol (docs/PROTOCOL.md).
 
-For one or more datasets (`ml-100k`, `amazon-beauty` from datasets/, or a CSV path with
-user/item/timestamp columns) the log is split by `benchmarks.protocol` (leave-last-out by
+For one or more datasets (`ml-100k`, `amazon-beauty` from datasets/, the logs derived at read
+time `amazon-beauty-shuffled` and `synthetic` (`benchmarks.protocol.DERIVED`), or a CSV path
+with user/item/timestamp columns) the log is split by `benchmarks.protocol` (leave-last-out by
 (timestamp, numeric item id)), and every model ranks the whole catalog for every test user
 with the user's non-test items removed:
 
@@ -154,7 +155,8 @@ def _counts(x: Any) -> np.ndarray:
 
 def ease_grid(num_items: int) -> tuple[float, ...]:
     """Lambdas tried; large catalogs get fewer (one dense items x items inverse each)."""
-    return (50.0, 100.0, 200.0, 400.0, 800.0, 1600.0) if num_items <= 5000 else (50.0, 200.0, 800.0)
+    small = (25.0, 50.0, 100.0, 200.0, 400.0, 800.0, 1600.0)
+    return small if num_items <= 5000 else (12.5, 50.0, 200.0, 800.0)
 
 
 def run_ease(b: Bench, seed: int) -> dict[str, Any]:
@@ -180,9 +182,9 @@ def als_grid(num_items: int) -> list[tuple[int, float, float]]:
     """(factors, reg, alpha) tried: each fit takes seconds with the `implicit` library."""
     return [
         (f, r, a)
-        for f in (64, 128)
+        for f in (64, 128, 256)
         for r in (0.1, 1.0, 10.0, 30.0, 100.0)
-        for a in (0.3, 1.0, 5.0, 20.0)
+        for a in (0.3, 1.0, 5.0, 20.0, 50.0)
     ]
 
 
@@ -192,7 +194,7 @@ _ALS_CHOICE: dict[str, tuple[tuple[int, float, float], dict[str, Any]]] = {}
 def als_user_items(x: Any, factors: int, reg: float, alpha: float, seed: int) -> tuple:
     """Implicit ALS (Hu, Koren and Volinsky 2008; the `implicit` library, confidence 1 + alpha
     x, conjugate-gradient solves): user and item factors of the users x items matrix `x`."""
-    from implicit.cpu.als import AlternatingLeastSquares  # benchmark-only dependency
+    from implicit.cpu.als import AlternatingLeastSquares
     from threadpoolctl import threadpool_limits
 
     # implicit parallelises over rows itself; a BLAS thread pool underneath oversubscribes.
@@ -704,7 +706,10 @@ def main() -> int:
     """Parse the arguments and run (or tabulate) each dataset."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument(
-        "--data", nargs="+", default=["ml-100k"], help="ml-100k, amazon-beauty, or a path"
+        "--data",
+        nargs="+",
+        default=["ml-100k"],
+        help="ml-100k, amazon-beauty, amazon-beauty-shuffled, synthetic, or a path",
     )
     parser.add_argument(
         "--models", nargs="+", default=list(MODELS[:-1]), choices=MODELS, help="in this order"

@@ -41,7 +41,11 @@ LENGTH = 5
 
 
 def _model(
-    encoder: str, negatives: str, user_embedding: bool = True, positions: str = "relative"
+    encoder: str,
+    negatives: str,
+    user_embedding: bool = True,
+    positions: str = "relative",
+    history_mean: bool = False,
 ) -> TwoTowerModel:
     tf.keras.utils.set_random_seed(3)
     config = ModelConfig(
@@ -54,6 +58,7 @@ def _model(
         item_features=False,
         negatives=negatives,
         user_embedding=user_embedding,
+        history_mean=history_mean,
         sampled_negatives=7,
     )
     trained = TrainedModel.build(USERS, ITEMS, config)
@@ -90,11 +95,12 @@ def _prefix_rows(batch: dict[str, tf.Tensor]) -> dict[str, np.ndarray]:
 
 
 @pytest.mark.parametrize("negatives", ["in_batch", "full", "sampled"])
-@pytest.mark.parametrize("encoder", ["mean", "gru", "transformer"])
+@pytest.mark.parametrize("encoder", ["mean", "gru", "transformer", "transformer+mean"])
 def test_one_pass_loss_equals_the_per_prefix_loss(encoder: str, negatives: str) -> None:
     """Each position's query equals the per-prefix query (the serving path: the history
     right-aligned on its own); with the same pool (seeded), the same loss."""
-    model = _model(encoder, negatives)
+    kind, _, mean = encoder.partition("+")
+    model = _model(kind, negatives, history_mean=bool(mean))
     batch = _windows()
     tf.random.set_seed(11)  # the sampled pool: the same draw for both
     one_pass, examples = model._loss_and_examples(batch, training=False)
@@ -130,9 +136,10 @@ def test_absolute_positions_one_pass_loss_equals_each_prefix_encoded_alone(negat
     np.testing.assert_allclose(float(one_pass), float(expected), rtol=1e-5)
 
 
-@pytest.mark.parametrize("encoder", ["mean", "gru", "transformer"])
+@pytest.mark.parametrize("encoder", ["mean", "gru", "transformer", "gru+mean", "transformer+mean"])
 def test_outputs_are_causal_and_padding_changes_nothing(encoder: str) -> None:
-    tower = _model(encoder, "full").query_tower
+    kind, _, mean = encoder.partition("+")
+    tower = _model(kind, "full", history_mean=bool(mean)).query_tower
     users = tf.constant([1, 1], tf.int64)
     base = tf.constant([[PAD, PAD, 3, 7, 2], [PAD, PAD, 3, 11, 12]], tf.int64)
     out = tower.sequence({USER_INDEX: users, HISTORY_INDEX: base}).numpy()
@@ -273,3 +280,15 @@ def test_a_transformer_saved_before_relative_positions_loads_as_it_was_trained(
         model.user_embeddings(["u1", "u2"], histories),
         atol=1e-6,
     )
+
+
+def test_history_mean_adds_an_order_free_term() -> None:
+    """history_mean adds no weights but changes the query: the same weights, another vector."""
+    users = tf.constant([1], tf.int64)
+    history = tf.constant([[PAD, PAD, 3, 7, 2]], tf.int64)
+    plain = _model("transformer", "full").query_tower
+    mean = _model("transformer", "full", history_mean=True).query_tower
+    assert len(plain.weights) == len(mean.weights)
+    a = plain.sequence({USER_INDEX: users, HISTORY_INDEX: history}).numpy()
+    b = mean.sequence({USER_INDEX: users, HISTORY_INDEX: history}).numpy()
+    assert np.abs(a[0, 2:] - b[0, 2:]).max() > 1e-3

@@ -447,6 +447,12 @@ class ModelConfig(_Strict):
     encoder_dropout: float = Field(
         0.2, ge=0, lt=1, description="Dropout of the transformer, and of the GRU's inputs."
     )
+    history_mean: bool = Field(
+        False,
+        description="transformer / gru: also add the mean of the history's item vectors to "
+        "the encoder's output, an order-free summary of the user's taste beside the ordered "
+        "one (for logs whose order carries little signal; docs/TRAINING.md).",
+    )
     encoder_positions: Literal["absolute", "relative"] = Field(
         "relative",
         description=(

@@ -33,6 +33,7 @@ ADDED_OFF = {
     "negatives": "in_batch",
     "encoder_positions": "absolute",
     "user_embedding": True,
+    "history_mean": False,
 }
 """ModelConfig keys added after the first saved models, with the value that means 'absent'
 (models saved before `normalize` existed were always normalised, before `query_encoder`

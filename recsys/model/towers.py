@@ -36,7 +36,9 @@ class QueryTower(_Tower):
     is 0); H(u) the user's last `history_length` items (index PAD ignored; an empty history
     adds the zero vector); enc is `mean_{j in H(u)} V[j]`, or with
     `encoder` "transformer" causal self-attention over the ordered H(u) read at the latest item,
-    with "gru" a GRU's final state over it (`recsys.model.encoders`); V is the candidate tower's
+    with "gru" a GRU's final state over it (`recsys.model.encoders`), plus
+    `mean_{j in H(u)} V[j]` when `history_mean` is on (order-free taste beside the ordered
+    encoding; no extra weights); V is the candidate tower's
     item table when `item_embedding` is given (shared), else the tower's own table of
     `num_items` rows.
     For each user side feature f (age bucket, gender, occupation, ...) a_f(u) is the user's
@@ -57,10 +59,12 @@ class QueryTower(_Tower):
         features: Baked | None = None,
         encoder: EncoderSpec | None = None,
         user_embedding: bool = True,
+        history_mean: bool = False,
         **kwargs: object,
     ) -> None:
         super().__init__(**kwargs)
         self.history_length = history_length
+        self.history_mean = history_mean
         self.normalize = normalize
         self.embedding_dim = embedding_dim
         # Attribute names are checkpoint keys: `embedding` as in the first (ids-only) towers.
@@ -102,9 +106,9 @@ class QueryTower(_Tower):
         if self.history_embedding is not None and HISTORY_INDEX in inputs:
             history = inputs[HISTORY_INDEX]
             encoder = getattr(self, "encoder", None)
-            if encoder is None:
+            if encoder is None or self.history_mean:
                 x = x + masked_mean(self.history_embedding, history)
-            else:
+            if encoder is not None:
                 x = x + tf.cast(encoder(history, training=training), x.dtype)
         features = self._user_features(users)
         return self.finish(x if features is None else x + features)
@@ -122,9 +126,9 @@ class QueryTower(_Tower):
             x = x + self.embedding(users)[:, None, :]
         if self.history_embedding is not None:
             encoder = getattr(self, "encoder", None)
-            if encoder is None:
+            if encoder is None or self.history_mean:
                 x = x + prefix_mean(self.history_embedding, history)
-            else:
+            if encoder is not None:
                 x = x + tf.cast(encoder.sequence(history, training=training), x.dtype)
         features = self._user_features(users)
         return self.finish(x if features is None else x + features[:, None, :])

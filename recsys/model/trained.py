@@ -76,6 +76,7 @@ class TrainedModel:
             features=user_features.baked(oov),
             encoder=EncoderSpec.from_config(config),
             user_embedding=config.user_embedding,
+            history_mean=config.history_mean,
             name="query_tower",
         )
         query(_dummy_query(config))
