@@ -61,8 +61,9 @@ import yaml
 
 from benchmarks import protocol, sasrec
 from conductor import stages
-from recsys import baselines, tuning
+from recsys import als_baseline, baselines, tuning
 from recsys import evaluation as ev
+from recsys.als_baseline import AlsSetting, factor_scores
 from recsys.core.config import EvaluationConfig, parse_config
 from recsys.core.layout import Workdir
 from serving_export.embeddings import read_embeddings
@@ -191,24 +192,9 @@ def als_grid(num_items: int) -> list[tuple[int, float, float]]:
 _ALS_CHOICE: dict[str, tuple[tuple[int, float, float], dict[str, Any]]] = {}
 
 
-def als_user_items(x: Any, factors: int, reg: float, alpha: float, seed: int) -> tuple:
-    """Implicit ALS (Hu, Koren and Volinsky 2008; the `implicit` library, confidence 1 + alpha
-    x, conjugate-gradient solves): user and item factors of the users x items matrix `x`."""
-    from implicit.cpu.als import AlternatingLeastSquares
-    from threadpoolctl import threadpool_limits
-
-    # implicit parallelises over rows itself; a BLAS thread pool underneath oversubscribes.
-    with threadpool_limits(1, "blas"):
-        model = AlternatingLeastSquares(
-            factors=factors, regularization=reg, alpha=alpha, iterations=15, random_state=seed
-        )
-        model.fit(x.tocsr().astype(np.float32), show_progress=False)
-    return np.asarray(model.user_factors), np.asarray(model.item_factors)
-
-
-def _als_scores(users: np.ndarray, items: np.ndarray, rows: np.ndarray) -> ev.ScoreFn:
-    chosen = users[rows]
-    return lambda batch: chosen[batch] @ items.T
+def als_fit(x: Any, factors: int, reg: float, alpha: float, seed: int) -> tuple:
+    """Implicit ALS factors of `x`, 15 iterations: the nightly's own fit (`recsys.als_baseline`)."""
+    return als_baseline.fit(x.tocsr().astype(np.float32), AlsSetting(factors, reg, alpha), 15, seed)
 
 
 def run_als(b: Bench, seed: int) -> dict[str, Any]:
@@ -216,14 +202,14 @@ def run_als(b: Bench, seed: int) -> dict[str, Any]:
     if b.name not in _ALS_CHOICE:
         tried = {}
         for f, r, a in als_grid(len(b.split.catalog)):
-            users, items = als_user_items(b.train_x, f, r, a, seed=0)
-            tried[(f, r, a)] = _metrics(_als_scores(users, items, b.val_rows), b.val_set)
+            users, items = als_fit(b.train_x, f, r, a, seed=0)
+            tried[(f, r, a)] = _metrics(factor_scores(users, items, b.val_rows), b.val_set)
             log.info("%s als %s: %s", b.name, (f, r, a), tried[(f, r, a)])
         best = max(tried, key=lambda k: tried[k]["ndcg_at_10"])
         _ALS_CHOICE[b.name] = (best, {str(k): v for k, v in tried.items()})
     (f, r, a), grid = _ALS_CHOICE[b.name]
-    users, items = als_user_items(b.trainval_x, f, r, a, seed=seed)
-    test, ranks = _scored(_als_scores(users, items, b.test_rows), b.test_set)
+    users, items = als_fit(b.trainval_x, f, r, a, seed=seed)
+    test, ranks = _scored(factor_scores(users, items, b.test_rows), b.test_set)
     return {
         "factors": f, "reg": r, "alpha": a, "validation": grid[str((f, r, a))],
         "grid": grid, "test": test, RANKS_KEY: ranks,

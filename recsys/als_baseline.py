@@ -118,7 +118,7 @@ def interactions(sequences: Sequences, num_items: int, max_split: str) -> sparse
 
 
 def fit(
-    x: sparse.csr_matrix, setting: AlsSetting, iterations: int
+    x: sparse.csr_matrix, setting: AlsSetting, iterations: int, seed: int = SEED
 ) -> tuple[np.ndarray, np.ndarray]:
     """Implicit ALS user and item factors ([users, f], [items, f] float32) of matrix `x`."""
     # implicit parallelises over rows itself; a BLAS thread pool underneath oversubscribes
@@ -129,7 +129,7 @@ def fit(
             regularization=setting.regularization,
             alpha=setting.alpha,
             iterations=iterations,
-            random_state=SEED,
+            random_state=seed,
         )
         model.fit(x, show_progress=False)
     return np.asarray(model.user_factors), np.asarray(model.item_factors)

@@ -231,8 +231,8 @@ def test_implicit_als_reference_ranks_each_users_own_block_first() -> None:
     for u in range(40):
         block = range(0, 5) if u < 20 else range(5, 10)
         x[u, rng.choice(list(block), 3, replace=False)] = 1
-    users, items = quality.als_user_items(sparse.csr_matrix(x), 4, 0.1, 10.0, seed=0)
-    scores = quality._als_scores(users, items, np.arange(40))(np.arange(40))
+    users, items = quality.als_fit(sparse.csr_matrix(x), 4, 0.1, 10.0, seed=0)
+    scores = quality.factor_scores(users, items, np.arange(40))(np.arange(40))
     first = np.arange(40) < 20
     own = np.where(first, scores[:, :5].mean(1), scores[:, 5:].mean(1))
     other = np.where(first, scores[:, 5:].mean(1), scores[:, :5].mean(1))
