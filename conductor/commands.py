@@ -16,7 +16,7 @@ import yaml
 
 from conductor import stages
 from conductor.lock import WorkdirLock
-from conductor.nightly import NightlyResult, als_lines, backfill, run_nightly
+from conductor.nightly import NightlyResult, als_lines, backfill, candidate_lines, run_nightly
 from conductor.progress import KerasProgress
 from conductor.promotion import PublishResult
 from conductor.repair import drift_error, repair
@@ -36,7 +36,14 @@ from recsys.core.layout import (
     temp_prefix,
 )
 from recsys.core.progress import shown
-from recsys.core.records import MetricsRecord, PublishMarker, read_export, read_metrics, read_stats
+from recsys.core.records import (
+    MetricsRecord,
+    PublishMarker,
+    read_export,
+    read_metrics,
+    read_stats,
+    read_train,
+)
 from recsys.tracking.compare import compare, format_table
 from recsys.tracking.runs import check_tracking_store, record_ab_metric
 from recsys.training.trainer import is_chief
@@ -378,6 +385,8 @@ def _print_nightly(result: NightlyResult, workdir: Workdir) -> None:
     publish = result.outcome(PublishMarker)
     print(f"mlflow run:  {publish.mlflow_run_id}")
     _print_metrics(read_metrics(result.run))
+    for line in candidate_lines(read_train(result.run))[1:]:
+        print(line)
     print(
         f"registered:  version {publish.registered_version} "
         f"(champion now: {publish.champion_version})"

@@ -65,10 +65,12 @@ from recsys.core.records import (
     RecordError,
     RunKeyRecord,
     StageMarker,
+    TrainRecord,
     read_marker,
     read_metrics,
     read_record,
     read_stats,
+    read_train,
     write_marker,
     write_record,
 )
@@ -543,6 +545,7 @@ def write_summary(result: NightlyResult) -> Path:
     ]
     lines += _metrics_table(result.run, ev.metrics)
     lines += als_lines(read_metrics(result.run), "- ")
+    lines += candidate_lines(read_train(result.run), "- ")
     lines += [
         "",
         "## Gate and export",
@@ -592,6 +595,15 @@ def als_lines(report: MetricsRecord, prefix: str = "") -> list[str]:
         f"{prefix}{als.comparison.line('ALS')}",
         f"{prefix}ALS setting (chosen on validation): {als.settings()}",
     ]
+
+
+def candidate_lines(train: TrainRecord, prefix: str = "") -> list[str]:
+    """training.candidates in plain words: each first fit's validation score, the kept one
+    marked (none without candidates)."""
+    if not train.candidates:
+        return []
+    lines = ["", f"{prefix}Candidates (first fits, chosen on validation):"]
+    return lines + [f"{prefix}  {line}" for line in train.candidate_lines()]
 
 
 def _log_summary(config: RecsysConfig, workdir: Workdir, result: NightlyResult) -> None:

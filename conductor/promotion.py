@@ -261,6 +261,7 @@ def _record_run(
         "dense_log_settings": json.dumps(run.train.dense_log_settings, sort_keys=True),
         **owner_tags(workdir.root),
         **(_als_tags(als) if als is not None else {}),
+        **_candidate_tags(run.train),
     }
     return log_nightly_run(
         config,
@@ -275,6 +276,15 @@ def _record_run(
         tracking_uri=uri,
         params=mlflow_params(read_settings(resolved)) if resolved.is_file() else None,
     )
+
+
+def _candidate_tags(train: TrainRecord) -> dict[str, str]:
+    """training.candidates: what each first fit scored on validation and which was kept."""
+    if not train.candidates:
+        return {}
+    tags = {f"candidate.{c.index}": c.line() for c in train.candidates}
+    tags["candidate.kept"] = str(train.chosen_candidate)
+    return tags
 
 
 def _als_tags(als: AlsRecord) -> dict[str, str]:

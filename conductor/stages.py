@@ -51,6 +51,7 @@ from recsys.core.progress import bar
 from recsys.core.records import (
     AlsRecord,
     AlsTrialRecord,
+    CandidateRecord,
     ExportRecord,
     MetricsRecord,
     RecordError,
@@ -202,6 +203,8 @@ def train(
         input=result.input,
         incremental_from=None if start is None else str(start.model_dir),
         evaluated_model=evaluated.value,
+        candidates=[CandidateRecord(**trial) for trial in result.candidates],
+        chosen_candidate=result.chosen_candidate,
     )
     write_record(run_dir / RunFile.TRAIN, record)
     # Without credentials (tracking.uri may carry some): the digest ignores them, so `recsys

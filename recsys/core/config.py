@@ -34,6 +34,26 @@ MAX_DIM = 8192  # embedding and hidden layer widths
 MAX_BATCH = 1 << 20
 MAX_K = 10_000  # top-K cut-offs
 MAX_COUNT = 100_000  # epochs, shards, patience, list lengths and similar counts
+MAX_CANDIDATES = 4
+FIXED_FOR_CANDIDATES = frozenset(
+    {
+        "model.oov_buckets",
+        "training.candidates",
+        "training.early_stopping_metric",
+        "training.early_stopping_patience",
+        "training.input",
+        "training.mode",
+        "training.refit",
+        "training.refit_continue_epochs",
+        "training.warm_start_from",
+        "training.strategy",
+        "training.precision",
+        "training.jit_compile",
+        "training.seed",
+    }
+)
+"""What every candidate of `training.candidates` shares: the validation score they are compared
+on, and the data, device and schedule of the run they belong to."""
 MAX_SEED = 2**32 - 1
 MAX_SECONDS = 30 * 24 * 3600  # time budgets: a month (a search or a wait longer is a typo)
 MAX_WORKERS = 256  # parallel processes of one command
@@ -645,6 +665,15 @@ class TrainingConfig(_Strict):
         description="A previous run's model folder (e.g. the champion's): start from its "
         "weights, rows mapped by id when the vocabularies changed.",
     )
+    candidates: list[dict[str, bool | int | float | str]] = Field(
+        [],
+        max_length=MAX_CANDIDATES,
+        description="Other settings to try beside the config's own: each (dotted model.* / "
+        "training.* keys and values, as in dense_log.settings) trains a first fit on the train "
+        "split, the config itself first; the best by early_stopping_metric on the validation "
+        "split is kept (and refitted under refit), the others are logged and dropped. Costs "
+        "one first fit per candidate; full training only (not incremental or warm-started).",
+    )
 
     @field_validator("warm_start_from")
     @classmethod
@@ -1143,6 +1172,29 @@ class RecsysConfig(_Strict):
                 f"dense_log.settings model.history_length {history} is longer than the "
                 f"histories the Beam job writes (preprocess.history_length "
                 f"{self.preprocess.history_length}): raise preprocess.history_length"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _candidate_settings(self) -> RecsysConfig:
+        for i, candidate in enumerate(self.training.candidates, start=1):
+            where = f"training.candidates[{i}]"
+            if not candidate:
+                raise ValueError(f"{where} sets nothing: name at least one setting")
+            for key, value in candidate.items():
+                if key in FIXED_FOR_CANDIDATES:
+                    raise ValueError(
+                        f"{where} key {key!r} cannot differ between candidates (they share "
+                        "the run's data, devices and validation score); set it for the run"
+                    )
+                self._check_setting(where, key, value)
+        if self.training.candidates and (
+            self.training.mode == "incremental" or self.training.warm_start_from
+        ):
+            raise ValueError(
+                "training.candidates needs full training: an incremental or warm-started run "
+                "continues one model (set training.mode full and no warm_start_from, or drop "
+                "the candidates)"
             )
         return self
 

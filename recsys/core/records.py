@@ -107,6 +107,26 @@ class RunKeyRecord(StageRecord):
     data_fingerprint: str | None
 
 
+class CandidateRecord(BaseModel):
+    """One first fit of `training.candidates`: its settings, validation score and cost."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    index: int = Field(ge=0, description="0: the config's own settings.")
+    settings: dict[str, bool | int | float | str]
+    metric: str
+    validation: float | None = Field(description="The kept epoch's value (null: none).")
+    best_epoch: int | None
+    epochs: int = Field(ge=0)
+    seconds: float = Field(ge=0)
+
+    def line(self) -> str:
+        """`key=value, ...: metric 0.1234` in plain words."""
+        settings = ", ".join(f"{k}={v}" for k, v in sorted(self.settings.items()))
+        score = "no score" if self.validation is None else f"{self.validation:.4f}"
+        return f"{settings or 'the config itself'}: validation {self.metric} {score}"
+
+
 class TrainRecord(StageRecord):
     """train.json: where the run's data is, how it trained (device, speed, refit) and on what."""
 
@@ -135,6 +155,21 @@ class TrainRecord(StageRecord):
         pattern="^(model|eval_model)$",
         description="What metrics.json scores: the served model, or the first fit (refit all).",
     )
+    candidates: list[CandidateRecord] = Field(
+        default_factory=list,
+        description="training.candidates: every first fit tried, the config's own first "
+        "(empty: none configured).",
+    )
+    chosen_candidate: int | None = Field(
+        None, ge=0, description="The index in `candidates` of the fit kept."
+    )
+
+    def candidate_lines(self) -> list[str]:
+        """Each candidate tried and which was kept, one line each (none without candidates)."""
+        return [
+            f"{c.line()}{' (kept)' if c.index == self.chosen_candidate else ''}"
+            for c in self.candidates
+        ]
 
     def device(self) -> dict[str, str]:
         """The device layout it trained on (the MLflow tags' `device.*`)."""

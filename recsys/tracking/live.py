@@ -5,7 +5,8 @@ The nightly's MLflow run is identified by date, config digest and data fingerpri
 run and logs every epoch with `step` = the 0-based epoch; publishing later completes the same
 run and skips the metric keys it already holds. Keys are Keras' epoch logs (`loss`,
 `val_loss`, the validation callback's `val_recall_at_50`, ...) plus `epoch_seconds` (the
-epoch's wall time, validation included); a `training.refit` fit logs them prefixed `refit_`.
+epoch's wall time, validation included); a `training.refit` fit logs them prefixed `refit_`,
+each of `training.candidates` beyond the config's own `candidate<i>_`.
 
 - A resumed training continues at the epoch its checkpoint holds: an epoch is logged only
   after its checkpoint was written (the callback runs after the trainer's), so no step is
@@ -94,13 +95,15 @@ class EpochMetricsLogger(tf.keras.callbacks.Callback):
         self._epoch_start = 0.0
 
     def begin_fit(self, name: str) -> None:
-        """The fit that starts next: `refit` metrics are logged as `refit_<key>`."""
+        """The fit that starts next: `refit` (or `candidate1`, ...) metrics are logged as
+        `refit_<key>` (`candidate1_<key>`)."""
         self._next = name
 
     def on_train_begin(self, logs: dict[str, Any] | None = None) -> None:
         fit = self._next or "train"
         self._next = None
-        self._prefix = REFIT_PREFIX if fit == "refit" else ""
+        # The config's own first fit logs bare keys; a refit or a candidate's fit its prefix.
+        self._prefix = "" if fit == "train" else f"{fit}_"
         self._first_epoch = None
         if not self._opened:
             self._opened = True

@@ -59,6 +59,13 @@ class TrainResult:
     dense_log_settings: dict[str, bool | int | float | str] = field(default_factory=dict)
     # Every setting this run trained with and its origin (recsys.core.resolve.Setting.record).
     resolved: dict[str, dict[str, Any]] = field(default_factory=dict)
+    # The first fit's validation score on training.early_stopping_metric (the kept epoch's;
+    # None without a validation split).
+    validation_score: float | None = None
+    # training.candidates: each first fit tried (recsys.training.candidates.CandidateTrial as
+    # plain data, the config's own first) and the index of the one kept.
+    candidates: list[dict[str, Any]] = field(default_factory=list)
+    chosen_candidate: int | None = None
 
     @property
     def examples_per_second(self) -> float:

@@ -10,6 +10,7 @@ import contextlib
 import dataclasses
 import json
 import logging
+import math
 import os
 import re
 import tempfile
@@ -26,7 +27,7 @@ from recsys.core.config import RecsysConfig, TrainingConfig, set_values
 from recsys.core.errors import ConfigError, OutOfMemoryError, StorageError, storage_errno
 from recsys.core.layout import DataFile
 from recsys.core.records import read_stats
-from recsys.core.resolve import resolve_config
+from recsys.core.resolve import Resolved, resolve_config
 from recsys.model import (
     ItemFeatures,
     TrainedModel,
@@ -34,6 +35,13 @@ from recsys.model import (
     UserFeatures,
     read_vocab,
     warm_start,
+)
+from recsys.training.candidates import (
+    CandidateTrial,
+    candidate_configs,
+    chosen,
+    describe,
+    same_training,
 )
 from recsys.training.dataset import item_log_probabilities
 from recsys.training.fit_input import FitPlan, capped_steps, plan_fit, use_cache
@@ -320,9 +328,15 @@ def train(
     # MultiWorkerMirroredStrategy must exist before other TF ops run in the process.
     strategy = make_strategy(tc.strategy, gpus, tc.ps_min_shard_bytes)
     stats = read_stats(data_dir).as_dict()
-    resolved = resolve_config(config, stats, device_facts(strategy, gpus))
+    facts = device_facts(strategy, gpus)
+    resolved = resolve_config(config, stats, facts)
     for note in resolved.notes:
         log.info("resolved setting: %s", note)
+    options = [resolved]
+    if config.training.candidates and stats["splits"]["validation"]:
+        options = candidate_configs(config, resolved, stats, facts)
+    elif config.training.candidates:
+        log.info("training.candidates: no validation split to choose on; the config's own trains")
     config, tc = resolved.config, resolved.config.training
     tf.keras.utils.set_random_seed(tc.seed)
     if tc.deterministic:
@@ -357,20 +371,86 @@ def train(
     refit = bool(tc.refit_splits and stats["splits"]["validation"])
     # Only a single process may skip its first fit: a cluster's workers must run the same fits.
     single = _strategy_name(strategy) in ("one_device", "mirrored")
-    keep = backup_dir if refit and single and backup_dir is not None else None
-    result = load_first_fit(keep) if keep is not None else None
-    if result is not None:
-        log.info("training: the first fit ended before the interruption (kept in %s)", keep)
+    if len(options) > 1:
+        resolved, result = _choose(options, data_dir, setup, backup_dir, extra, single)
+        config = resolved.config
     else:
-        result = _first_fit(config, data_dir, setup, backup_dir, extra)
-        if keep is not None:
-            save_first_fit(result, keep)
+        keep = backup_dir if refit and single and backup_dir is not None else None
+        result = _kept_or_first_fit(config, data_dir, setup, backup_dir, extra, keep)
     if refit:
         refit_backup = None if backup_dir is None else backup_dir / REFIT_BACKUP
         result = _refit(config, data_dir, setup, result, extra, refit_backup)
     result.dense_log_settings = resolved.dense_log_settings
     result.resolved = resolved.records()
     return result
+
+
+def _kept_or_first_fit(
+    config: RecsysConfig,
+    data_dir: Path,
+    setup: _Setup,
+    backup_dir: Path | None,
+    extra: list[tf.keras.callbacks.Callback],
+    keep: Path | None,
+    name: str = "train",
+) -> TrainResult:
+    """The first fit kept under `keep` by an interrupted run, else a new one (kept there)."""
+    result = load_first_fit(keep) if keep is not None else None
+    if result is not None:
+        log.info("training: the first fit ended before the interruption (kept in %s)", keep)
+        return result
+    result = _first_fit(config, data_dir, setup, backup_dir, extra, name)
+    if keep is not None:
+        save_first_fit(result, keep)
+    return result
+
+
+def _choose(
+    options: list[Resolved],
+    data_dir: Path,
+    setup: _Setup,
+    backup_dir: Path | None,
+    extra: list[tf.keras.callbacks.Callback],
+    single: bool,
+) -> tuple[Resolved, TrainResult]:
+    """training.candidates: each option's first fit (the config's own first), the best on
+    validation kept. A single process keeps every finished fit in the backup folder, so an
+    interrupted run trains none of them again."""
+    written = options[0].config.training.candidates
+    trials: list[CandidateTrial] = []
+    best: TrainResult | None = None
+    for index, option in enumerate(options):
+        settings = written[index - 1] if index else {}
+        twin = next((i for i in range(index) if same_training(options[i], option)), None)
+        if twin is not None:
+            # Nothing to train: the settings are those of an earlier candidate (e.g. the
+            # config already sets them); it scores what that one scored.
+            log.info("training candidate %d: the same as candidate %d", index + 1, twin + 1)
+            twin_trial = dataclasses.replace(trials[twin], index=index, settings=settings)
+            trials.append(dataclasses.replace(twin_trial, seconds=0.0))
+            continue
+        folder = None if backup_dir is None else backup_dir / f"candidate-{index}"
+        log.info("training candidate %d of %d: %s", index + 1, len(options), describe(settings))
+        tf.keras.utils.set_random_seed(option.config.training.seed)
+        keep = folder if single else None
+        name = "train" if index == 0 else f"candidate{index}"
+        result = _kept_or_first_fit(option.config, data_dir, setup, folder, extra, keep, name)
+        metric = option.config.training.early_stopping_metric
+        score = math.nan if result.validation_score is None else result.validation_score
+        epochs = len(result.epoch_seconds) or len(result.history.get("loss", []))
+        trial = CandidateTrial(
+            index, dict(settings), metric, score, result.best_epoch, epochs, result.seconds
+        )
+        log.info("training candidate %d: validation %s %.4f", index + 1, metric, score)
+        trials.append(trial)
+        if chosen(trials) == index:
+            best = result
+    winner = chosen(trials)
+    log.info("training.candidates: kept %d (%s)", winner + 1, describe(trials[winner].settings))
+    assert best is not None
+    best.candidates = [trial.record() for trial in trials]
+    best.chosen_candidate = winner
+    return options[winner], best
 
 
 def announce_fit(callbacks: list[tf.keras.callbacks.Callback], fit: str) -> None:
@@ -407,8 +487,10 @@ def _first_fit(
     setup: _Setup,
     backup_dir: Path | None,
     extra: list[tf.keras.callbacks.Callback],
+    name: str = "train",
 ) -> TrainResult:
-    """The early-stopped fit on the train split (the whole run without `training.refit`)."""
+    """The early-stopped fit on the train split (the whole run without `training.refit`);
+    `name` is the fit's name for the callbacks (announce_fit)."""
     tc, strategy, stats = config.training, setup.strategy, setup.stats
     replicas = strategy.num_replicas_in_sync
     chief = is_chief(strategy)
@@ -441,7 +523,7 @@ def _first_fit(
         )
     callbacks.append(EpochLogger(tc.epochs))  # last: it logs what the others added
     callbacks += extra
-    announce_fit(extra, "train")
+    announce_fit(extra, name)
     start = time.perf_counter()
     with _fit_errors(tc, replicas, backup_dir):
         history = model.fit(
@@ -461,6 +543,8 @@ def _first_fit(
         if validator is None or validator.best_epoch is None or not validator.patience
         else validator.best_epoch + 1
     )
+    watched = history.history.get(f"val_{tc.early_stopping_metric}") or [math.nan]
+    score = None if validator is None else validator.best if best_epoch else float(watched[-1])
     return TrainResult(
         model=trained,
         history={k: [float(v) for v in vs] for k, vs in history.history.items()},
@@ -475,6 +559,7 @@ def _first_fit(
         jit_compile=setup.jit,
         cached=plan.cached,
         input=tc.input,
+        validation_score=score,
     )
 
 
