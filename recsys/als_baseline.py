@@ -35,7 +35,7 @@ from recsys import evaluation as ev
 from recsys.core import schema
 from recsys.core.config import ClassicBaselineConfig, EvaluationConfig
 from recsys.core.progress import bar
-from recsys.data_io import Sequences, load_sequences, vocabulary_lookup
+from recsys.data_io import Sequences, load_sequences, sparse_interactions, vocabulary_lookup
 
 log = logging.getLogger(__name__)
 
@@ -110,11 +110,7 @@ def interactions(sequences: Sequences, num_items: int, max_split: str) -> sparse
     keep = (sequences.splits <= last) & (sequences.items >= 0)
     rows = sequences.user_of_position()[keep]
     cols = sequences.items[keep].astype(np.int64)
-    x = sparse.csr_matrix(
-        (np.ones(len(rows), np.float32), (rows, cols)), shape=(len(sequences.users), num_items)
-    )
-    x.data[:] = 1.0  # a repeated (user, item) is one interaction, as the exclusions count it
-    return x
+    return sparse_interactions(rows, cols, len(sequences.users), num_items)
 
 
 def fit(

@@ -19,6 +19,8 @@ from typing import Any
 import numpy as np
 from scipy import sparse
 
+# The matrix every baseline starts from, defined once beside the data readers.
+from recsys.data_io import sparse_interactions as sparse_interactions
 from recsys.evaluation import ScoreFn
 
 Matrix = Any
@@ -31,17 +33,6 @@ def interaction_matrix(
     """A dense binary float32 matrix with ones at (rows, cols); duplicates collapse to one."""
     x = np.zeros((num_rows, num_cols), dtype=np.float32)
     x[rows, cols] = 1.0
-    return x
-
-
-def sparse_interactions(
-    rows: np.ndarray, cols: np.ndarray, num_rows: int, num_cols: int
-) -> sparse.csr_matrix:
-    """A binary float32 CSR matrix with ones at (rows, cols); duplicates collapse to one."""
-    x = sparse.csr_matrix(
-        (np.ones(len(rows), np.float32), (rows, cols)), shape=(num_rows, num_cols)
-    )
-    x.data[:] = 1.0  # summed duplicates
     return x
 
 

@@ -15,6 +15,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 import tensorflow as tf
+from scipy import sparse
 
 from recsys.core import schema
 from recsys.core.errors import DataError, StageNotReadyError
@@ -291,3 +292,14 @@ def vocabulary_lookup(vocabulary: Sequence[str]) -> ItemLookup:
         tf.lookup.KeyValueTensorInitializer(keys, tf.constant(first, tf.int64)), default_value=-1
     )
     return table.lookup
+
+
+def sparse_interactions(
+    rows: np.ndarray, cols: np.ndarray, num_rows: int, num_cols: int
+) -> sparse.csr_matrix:
+    """A binary float32 CSR matrix with ones at (rows, cols); duplicates collapse to one."""
+    x = sparse.csr_matrix(
+        (np.ones(len(rows), np.float32), (rows, cols)), shape=(num_rows, num_cols)
+    )
+    x.data[:] = 1.0  # summed duplicates: a repeated (user, item) is one interaction
+    return x
