@@ -112,13 +112,15 @@ def trial_config(config: RecsysConfig, params: dict[str, Any]) -> RecsysConfig:
     """The config one trial trains with: `params` set, early stopping on the tuned metric.
 
     No refit: a trial is scored on the validation split, which a refit would train on (the
-    written best config keeps the base config's `training.refit`). No `dense_log` rule: a
-    trial trains with the settings it is scored for, whatever the log's shape.
+    written best config keeps the base config's `training.refit`). No `dense_log` rule and no
+    `training.candidates`: a trial trains with the settings it is scored for, whatever the
+    log's shape (the written best config keeps the base config's candidates).
     """
     values = {
         **params,
         "training.early_stopping_metric": config.tune.metric,
         "training.refit": "off",
+        "training.candidates": [],
         "dense_log": None,
     }
     history = params.get("model.history_length", config.model.history_length)

@@ -67,12 +67,7 @@ def test_a_bad_candidate_is_a_config_error(candidate: dict[str, Any], message: s
     assert message in str(err.value)
 
 
-def test_candidates_need_full_training() -> None:
-    with pytest.raises(ConfigError, match="candidates needs full training"):
-        set_values(
-            RecsysConfig(),
-            {"training.candidates": [{"model.history_mean": True}], "training.mode": "incremental"},
-        )
+def test_at_most_four_candidates() -> None:
     with pytest.raises(ConfigError, match="at most 4"):
         set_values(RecsysConfig(), {"training.candidates": [{"model.embedding_dim": 8}] * 5})
 
@@ -184,3 +179,22 @@ def test_a_candidate_the_config_already_is_not_trained_again(
     own, twin = result.candidates
     assert twin["validation"] == own["validation"] and twin["seconds"] == 0.0
     assert result.chosen_candidate == 0  # a tie keeps the earlier
+
+
+def test_a_warm_started_run_skips_its_candidates(
+    prepared: tuple[RecsysConfig, Workdir, Path], tmp_path: Path
+) -> None:
+    _, _, data_dir = prepared
+    raw = plain(SMALL)
+    first = train(parse_config({**raw, "training": {**raw["training"], "epochs": 1}}), data_dir)
+    first.model.save(tmp_path / "previous")
+    training = {
+        **raw["training"],
+        "epochs": 1,
+        "warm_start_from": str(tmp_path / "previous"),
+        "candidates": [GOOD],
+    }
+    counter = _FitCounter()
+    result = train(parse_config({**raw, "training": training}), data_dir, callbacks=[counter])
+    assert counter.fits == 1 and result.candidates == [] and result.chosen_candidate is None
+    assert result.model.config.embedding_dim == SMALL["model"]["embedding_dim"]

@@ -672,7 +672,8 @@ class TrainingConfig(_Strict):
         "training.* keys and values, as in dense_log.settings) trains a first fit on the train "
         "split, the config itself first; the best by early_stopping_metric on the validation "
         "split is kept (and refitted under refit), the others are logged and dropped. Costs "
-        "one first fit per candidate; full training only (not incremental or warm-started).",
+        "one first fit per candidate. Skipped (logged) where a run continues one model: an "
+        "incremental night from the champion, warm_start_from.",
     )
 
     @field_validator("warm_start_from")
@@ -1188,14 +1189,6 @@ class RecsysConfig(_Strict):
                         "the run's data, devices and validation score); set it for the run"
                     )
                 self._check_setting(where, key, value)
-        if self.training.candidates and (
-            self.training.mode == "incremental" or self.training.warm_start_from
-        ):
-            raise ValueError(
-                "training.candidates needs full training: an incremental or warm-started run "
-                "continues one model (set training.mode full and no warm_start_from, or drop "
-                "the candidates)"
-            )
         return self
 
     def _check_setting(self, where: str, key: str, value: Any) -> None:

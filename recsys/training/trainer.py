@@ -333,10 +333,12 @@ def train(
     for note in resolved.notes:
         log.info("resolved setting: %s", note)
     options = [resolved]
-    if config.training.candidates and stats["splits"]["validation"]:
+    continues = start is not None or bool(config.training.warm_start_from)
+    if config.training.candidates and stats["splits"]["validation"] and not continues:
         options = candidate_configs(config, resolved, stats, facts)
     elif config.training.candidates:
-        log.info("training.candidates: no validation split to choose on; the config's own trains")
+        why = "the run continues one model" if continues else "no validation split to choose on"
+        log.info("training.candidates: skipped (%s); the config's own settings train", why)
     config, tc = resolved.config, resolved.config.training
     tf.keras.utils.set_random_seed(tc.seed)
     if tc.deterministic:
