@@ -119,8 +119,8 @@ def test_without_candidates_nothing_is_recorded(
     prepared: tuple[RecsysConfig, Workdir, Path],
 ) -> None:
     _, _, data_dir = prepared
-    raw = {**plain(SMALL), "training": {**plain(SMALL)["training"], "epochs": 1}}
-    result = train(parse_config(raw), data_dir)
+    training = {**plain(SMALL)["training"], "epochs": 1, "candidates": []}
+    result = train(parse_config({**plain(SMALL), "training": training}), data_dir)
     assert result.candidates == [] and result.chosen_candidate is None
     assert result.validation_score is not None and result.validation_score >= 0
 
@@ -165,6 +165,14 @@ def test_a_night_reports_its_candidates_in_the_summary_and_mlflow(
     assert run.data.params["model.embedding_dim"] == "12"  # as trained
     date = dt.date.fromisoformat(SMALL_DATE)
     assert run_dir.parent.name == date.isoformat()
+
+
+def test_the_default_tries_mean_pooling_beside_the_transformer() -> None:
+    config = RecsysConfig()
+    assert config.model.query_encoder == "transformer" and config.model.history_mean
+    assert config.training.candidates == [
+        {"model.query_encoder": "mean", "model.history_mean": False}
+    ]
 
 
 def test_a_candidate_the_config_already_is_not_trained_again(

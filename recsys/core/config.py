@@ -35,6 +35,12 @@ MAX_BATCH = 1 << 20
 MAX_K = 10_000  # top-K cut-offs
 MAX_COUNT = 100_000  # epochs, shards, patience, list lengths and similar counts
 MAX_CANDIDATES = 4
+MEAN_POOLING_CANDIDATE: dict[str, bool | int | float | str] = {
+    "model.query_encoder": "mean",
+    "model.history_mean": False,
+}
+"""The default candidate: where a log's order carries little signal (shuffled, visits) the
+order-free mean query tower wins on validation; where it carries signal, the transformer."""
 FIXED_FOR_CANDIDATES = frozenset(
     {
         "model.oov_buckets",
@@ -468,7 +474,7 @@ class ModelConfig(_Strict):
         0.2, ge=0, lt=1, description="Dropout of the transformer, and of the GRU's inputs."
     )
     history_mean: bool = Field(
-        False,
+        True,
         description="transformer / gru: also add the mean of the history's item vectors to "
         "the encoder's output, an order-free summary of the user's taste beside the ordered "
         "one (for logs whose order carries little signal; docs/TRAINING.md).",
@@ -666,14 +672,15 @@ class TrainingConfig(_Strict):
         "weights, rows mapped by id when the vocabularies changed.",
     )
     candidates: list[dict[str, bool | int | float | str]] = Field(
-        [],
+        default_factory=lambda: [dict(MEAN_POOLING_CANDIDATE)],
         max_length=MAX_CANDIDATES,
         description="Other settings to try beside the config's own: each (dotted model.* / "
         "training.* keys and values, as in dense_log.settings) trains a first fit on the train "
         "split, the config itself first; the best by early_stopping_metric on the validation "
         "split is kept (and refitted under refit), the others are logged and dropped. Costs "
         "one first fit per candidate. Skipped (logged) where a run continues one model: an "
-        "incremental night from the champion, warm_start_from.",
+        "incremental night from the champion, warm_start_from. Default: mean pooling (the "
+        "order-free query tower), [] to train the config alone.",
     )
 
     @field_validator("warm_start_from")

@@ -17,7 +17,7 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from recsys.core.auto import DeviceFacts
-from recsys.core.config import RecsysConfig, set_values
+from recsys.core.config import ModelConfig, RecsysConfig, set_values
 from recsys.core.resolve import Resolved, resolve_config
 
 
@@ -59,7 +59,15 @@ def candidate_configs(
 
 def same_training(a: Resolved, b: Resolved) -> bool:
     """Whether two resolved configs train the same model (a candidate that changes nothing)."""
-    return a.config.model == b.config.model and a.config.training == b.config.training
+    return _model(a) == _model(b) and a.config.training == b.config.training
+
+
+def _model(resolved: Resolved) -> ModelConfig:
+    model = resolved.config.model
+    # The mean-pooling tower is the history's mean already: history_mean changes nothing.
+    if model.query_encoder == "mean":
+        return model.model_copy(update={"history_mean": False})
+    return model
 
 
 def chosen(trials: list[CandidateTrial]) -> int:
