@@ -398,6 +398,9 @@ class Ours:
             "epochs_run": len(result.epoch_seconds),
             "best_epoch": result.best_epoch,
             "refit_epochs": result.refit_epochs,
+            # training.candidates: each first fit's settings and validation score, and the kept.
+            "candidates": result.candidates,
+            "chosen_candidate": result.chosen_candidate,
             **(
                 {"pipeline_evaluate": evaluated, "validation": scored}
                 if self.stage == "validation"
