@@ -545,7 +545,8 @@ def write_summary(result: NightlyResult) -> Path:
     ]
     lines += _metrics_table(result.run, ev.metrics)
     lines += als_lines(read_metrics(result.run), "- ")
-    lines += candidate_lines(read_train(result.run), "- ")
+    if (result.run / RunFile.TRAIN).is_file():  # a summary of a run without one says less
+        lines += candidate_lines(read_train(result.run), "- ")
     lines += [
         "",
         "## Gate and export",

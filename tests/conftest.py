@@ -50,7 +50,9 @@ SMALL = {
         },
     },
     "model": {"embedding_dim": 16},
-    "training": {"batch_size": 128, "epochs": 2, "shuffle_buffer": 1000},
+    # One fit, of the model a test names: training.candidates (on by default) could keep
+    # another model on so small a log; tests/test_candidates.py covers them.
+    "training": {"batch_size": 128, "epochs": 2, "shuffle_buffer": 1000, "candidates": []},
     "evaluation": {"ks": [10, 50]},
     "export": {"top_k": 10},
 }
