@@ -57,7 +57,6 @@ from recsys.tracking.runs import (
 log = logging.getLogger(__name__)
 
 EPOCH_SECONDS = "epoch_seconds"
-REFIT_PREFIX = "refit_"
 LOSS = "loss"
 
 

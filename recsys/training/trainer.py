@@ -428,8 +428,9 @@ def _choose(
             # Nothing to train: the settings are those of an earlier candidate (e.g. the
             # config already sets them); it scores what that one scored.
             log.info("training candidate %d: the same as candidate %d", index + 1, twin + 1)
-            twin_trial = dataclasses.replace(trials[twin], index=index, settings=settings)
-            trials.append(dataclasses.replace(twin_trial, seconds=0.0))
+            trials.append(
+                dataclasses.replace(trials[twin], index=index, settings=settings, seconds=0.0)
+            )
             continue
         folder = None if backup_dir is None else backup_dir / f"candidate-{index}"
         log.info("training candidate %d of %d: %s", index + 1, len(options), describe(settings))
