@@ -94,7 +94,12 @@ def main() -> int:
     args = parser.parse_args()
     logging.basicConfig(level=logging.WARNING)
     logging.getLogger("recsys.training.trainer").setLevel(logging.INFO)
-    settings: dict[str, Any] = {"training.refit": "off", "training.seed": args.seed}
+    # One model per night on both chains (an incremental night skips the candidates anyway).
+    settings: dict[str, Any] = {
+        "training.refit": "off",
+        "training.candidates": [],
+        "training.seed": args.seed,
+    }
     for item in args.set:
         key, _, value = item.partition("=")
         settings[key] = yaml.safe_load(value)

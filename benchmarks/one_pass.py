@@ -143,7 +143,8 @@ def main() -> int:
     logging.basicConfig(level=logging.WARNING)
     logging.getLogger("recsys.training").setLevel(logging.INFO)
     base = load_config(args.config)
-    settings = {"training.refit": "off", **_pairs(args.set)}
+    # One first fit per input: the default candidates would add fits the ratio is not about.
+    settings = {"training.refit": "off", "training.candidates": [], **_pairs(args.set)}
     rows_settings = _pairs(args.rows_set)
     base = set_values(base, settings)
     data_dir = prepare(base, args.input_path, dt.date.fromisoformat(args.date), Path(args.root))

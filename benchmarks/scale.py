@@ -90,6 +90,7 @@ def nightly_config(log: Path, items: Path, rows: int, args: argparse.Namespace) 
             "learning_rate_schedule": "constant",
             "early_stopping_patience": 0,
             "refit": "off",
+            "candidates": [],  # one fit: the candidates' extra first fits are not measured
             **args.training,
         },
         # The measured model: the transformer with in-batch negatives and a per-user table.

@@ -71,6 +71,7 @@ def base_config(args: argparse.Namespace) -> RecsysConfig:
                 "learning_rate_schedule": "constant",
                 "early_stopping_patience": 0,
                 "refit": "off",
+                "candidates": [],
             },
             # The model and fits these step times were measured on, pinned: the code's
             # defaults are the benchmarked model (transformer, full softmax, refit).

@@ -167,12 +167,11 @@ def test_a_night_reports_its_candidates_in_the_summary_and_mlflow(
     assert run_dir.parent.name == date.isoformat()
 
 
-def test_the_default_tries_mean_pooling_beside_the_transformer() -> None:
+def test_the_default_tries_narrow_and_wide_mean_pooling_beside_the_transformer() -> None:
     config = RecsysConfig()
     assert config.model.query_encoder == "transformer" and config.model.history_mean
-    assert config.training.candidates == [
-        {"model.query_encoder": "mean", "model.history_mean": False}
-    ]
+    mean = {"model.query_encoder": "mean", "model.history_mean": False, "model.history_length": 50}
+    assert config.training.candidates == [mean, {**mean, "model.embedding_dim": 256}]
 
 
 def test_a_candidate_the_config_already_is_not_trained_again(
