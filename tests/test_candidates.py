@@ -21,12 +21,13 @@ import tensorflow as tf
 import yaml
 from mlflow import MlflowClient
 
+from benchmarks import candidate_pruning
 from conductor import cli
 from recsys.core.config import RecsysConfig, parse_config, set_values
 from recsys.core.errors import ConfigError
 from recsys.core.layout import RunFile, Workdir
-from recsys.core.records import read_train
-from recsys.training.candidates import CandidateTrial, chosen
+from recsys.core.records import CandidateRecord, read_train
+from recsys.training.candidates import CandidatePruner, chosen, pruning_bar
 from recsys.training.trainer import train
 from tests.conftest import SMALL, SMALL_DATE, plain
 from tests.mlflow_server import MlflowServer
@@ -72,14 +73,99 @@ def test_at_most_four_candidates() -> None:
         set_values(RecsysConfig(), {"training.candidates": [{"model.embedding_dim": 8}] * 5})
 
 
-def test_the_best_validation_score_wins_and_ties_keep_the_earlier() -> None:
-    def trial(index: int, score: float) -> CandidateTrial:
-        return CandidateTrial(index, {}, "recall_at_50", score, None, 1, 1.0)
+def _trial(index: int, score: float, curve: list[float | None] | None = None) -> CandidateRecord:
+    return CandidateRecord(
+        index=index,
+        settings={},
+        metric="recall_at_50",
+        validation=score,
+        best_epoch=None,
+        epochs=len(curve or [score]),
+        seconds=1.0,
+        curve=curve or [score],
+    )
 
-    assert chosen([trial(0, 0.2), trial(1, 0.3), trial(2, 0.25)]) == 1
-    assert chosen([trial(0, 0.3), trial(1, 0.3)]) == 0
-    assert chosen([trial(0, math.nan), trial(1, 0.1)]) == 1
-    assert chosen([trial(0, math.nan), trial(1, math.nan)]) == 0
+
+def test_the_best_validation_score_wins_and_ties_keep_the_earlier() -> None:
+    assert chosen([_trial(0, 0.2), _trial(1, 0.3), _trial(2, 0.25)]) == 1
+    assert chosen([_trial(0, 0.3), _trial(1, 0.3)]) == 0
+    assert chosen([_trial(0, math.nan), _trial(1, 0.1)]) == 1
+    assert chosen([_trial(0, math.nan), _trial(1, math.nan)]) == 0
+
+
+def test_the_pruning_bar_is_the_best_any_earlier_fit_had_reached_by_each_epoch() -> None:
+    early = _trial(0, 0.5, [0.1, 0.5, 0.4])  # stopped early: holds its best after
+    late = _trial(1, 0.6, [0.3, 0.2, 0.35, 0.45, 0.6])
+    unscored = _trial(2, math.nan, [None, None])
+    assert pruning_bar([early, late, unscored]) == pytest.approx([0.3, 0.5, 0.5, 0.5, 0.6])
+    assert pruning_bar([]) == []
+    assert all(math.isnan(v) for v in pruning_bar([unscored]))
+
+
+def test_a_candidate_record_of_an_earlier_release_still_reads() -> None:
+    # train.json written before pruning: no curve, no pruned_after.
+    old = {"index": 1, "settings": {"model.embedding_dim": 8}, "metric": "recall_at_50",
+           "validation": 0.25, "best_epoch": 3, "epochs": 5, "seconds": 2.0}  # fmt: skip
+    record = CandidateRecord(**old)
+    assert record.curve == [] and record.pruned_after is None
+    assert record.line() == "model.embedding_dim=8: validation recall_at_50 0.2500"
+    unscored = CandidateRecord(**{**old, "validation": math.nan, "curve": [math.nan, 0.1]})
+    assert unscored.validation is None and unscored.curve == [None, 0.1]
+    assert unscored.line().endswith("no score")
+
+
+def test_the_documented_pruning_replay_of_the_beauty_curves() -> None:
+    # docs/BENCHMARKS.md, "Candidate pruning": from epoch 2 the transformer is kept, the
+    # narrow mean stops after epoch 2 of 9, the wide one after 3 of 7 (it leads at epoch 2).
+    path = Path(__file__).parent.parent / "benchmarks/results/candidate_curves_amazon_beauty.json"
+    (row,) = candidate_pruning.run_rows(path, [2])
+    assert row["kept_full"] == row["kept_pruned"] == 0
+    assert row["pruned_after"] == [None, 2, 3] and row["epochs_full"] == [10, 9, 7]
+    assert 0.5 < row["seconds"] / row["seconds_full"] < 0.65
+    (off,) = candidate_pruning.run_rows(path, [0])
+    assert off["pruned_after"] == [None, None, None] and off["seconds"] == off["seconds_full"]
+
+
+class _Scores(tf.keras.callbacks.Callback):
+    """Writes a given validation score into each epoch's logs (what the validator does)."""
+
+    def __init__(self, scores: list[float]) -> None:
+        super().__init__()
+        self.scores = scores
+
+    def on_epoch_end(self, epoch: int, logs: dict[str, float] | None = None) -> None:
+        assert logs is not None
+        logs["val_recall_at_50"] = self.scores[epoch]
+
+
+def _epochs_run(scores: list[float], bar: list[float], after: int) -> tuple[int, int | None]:
+    """Epochs a real Keras fit runs with the pruner, and the epoch it was pruned after."""
+    model = tf.keras.Sequential([tf.keras.layers.Dense(1)])
+    model.compile(optimizer="sgd", loss="mse")
+    pruner = CandidatePruner("recall_at_50", bar, after)
+    history = model.fit(
+        np.ones((4, 2)),
+        np.ones(4),
+        epochs=len(scores),
+        verbose=0,
+        callbacks=[_Scores(scores), pruner],
+    )
+    return len(history.history["loss"]), pruner.pruned_after
+
+
+def test_a_candidate_that_trails_the_bar_from_the_prune_epoch_on_stops() -> None:
+    bar = [0.3, 0.5, 0.5, 0.6]
+    # Behind at epoch 1 is allowed (after=2); behind at epoch 2 stops it.
+    assert _epochs_run([0.1, 0.4, 0.9, 0.9], bar, after=2) == (2, 2)
+    # Its best so far counts, not the epoch's value: 0.55 by epoch 3 is above 0.5.
+    assert _epochs_run([0.1, 0.55, 0.2, 0.7], bar, after=2) == (4, None)
+    # Ahead of the bar everywhere, or pruning off (0), or no bar: the whole fit.
+    assert _epochs_run([0.4, 0.6, 0.6, 0.7], bar, after=1) == (4, None)
+    assert _epochs_run([0.1, 0.1, 0.1, 0.1], bar, after=0) == (4, None)
+    assert _epochs_run([0.1, 0.1, 0.1, 0.1], [], after=1) == (4, None)
+    # Past the bar's last epoch, its last value is the bar; the last epoch is never pruned.
+    assert _epochs_run([0.1, 0.5, 0.55, 0.58, 0.59, 0.6], [0.3, 0.5, 0.59], after=4) == (4, 4)
+    assert _epochs_run([0.1, 0.1, 0.1], bar, after=3) == (3, None)
 
 
 def test_the_run_keeps_the_candidate_that_wins_on_validation(
@@ -94,6 +180,11 @@ def test_the_run_keeps_the_candidate_that_wins_on_validation(
     assert [c["settings"] for c in result.candidates] == [{}, GOOD, RANDOM]
     assert scores[1] > max(scores[0], scores[2])  # the premise: training beats random towers
     assert result.chosen_candidate == 1
+    # The random towers trail the trained candidate by epoch 2 (candidates_prune_after) and
+    # stop there; the config's own and the winner run their whole first fits.
+    assert [c["pruned_after"] for c in result.candidates] == [None, None, 2]
+    assert [len(c["curve"]) for c in result.candidates] == [3, 3, 2]
+    assert result.candidates[2]["epochs"] == 2
     # The kept run is the candidate's: its width, its settings recorded as trained.
     assert result.model.config.embedding_dim == 12 and result.model.output_dim == 12
     assert result.evaluation_model is not None
@@ -153,6 +244,8 @@ def test_a_night_reports_its_candidates_in_the_summary_and_mlflow(
     lines = record.candidate_lines()
     assert lines[1].endswith("(kept)") and "model.embedding_dim=12" in lines[1]
     assert not lines[0].endswith("(kept)")
+    assert record.candidates[2].pruned_after == 2 and len(record.candidates[2].curve) == 2
+    assert lines[2].endswith("(pruned after epoch 2)"), lines[2]
     summary = (run_dir / RunFile.SUMMARY).read_text()
     assert "Candidates (first fits, chosen on validation):" in summary
     for line in lines:

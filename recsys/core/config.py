@@ -55,6 +55,7 @@ FIXED_FOR_CANDIDATES = frozenset(
     {
         "model.oov_buckets",
         "training.candidates",
+        "training.candidates_prune_after",
         "training.early_stopping_metric",
         "training.early_stopping_patience",
         "training.input",
@@ -692,6 +693,15 @@ class TrainingConfig(_Strict):
         "incremental night from the champion, warm_start_from. Default: mean pooling (the "
         "order-free query tower) over the last 50 items, at the run's width and at 256 "
         "dimensions; [] to train the config alone.",
+    )
+    candidates_prune_after: int = Field(
+        2,
+        ge=0,
+        le=MAX_COUNT,
+        description="From this epoch on, a candidate whose best validation score so far is "
+        "below the best an earlier candidate had reached by the same epoch stops there "
+        "(logged as pruned; it cannot be kept, as it trails). The config's own settings always "
+        "train their whole first fit. 0: every candidate trains its whole first fit.",
     )
 
     @field_validator("warm_start_from")

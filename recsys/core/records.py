@@ -28,6 +28,7 @@ import datetime as dt
 import json
 import logging
 import math
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, ClassVar, Literal, TypeVar
 
@@ -37,6 +38,7 @@ from pydantic import (
     Field,
     SerializerFunctionWrapHandler,
     ValidationError,
+    field_validator,
     model_serializer,
 )
 
@@ -119,12 +121,41 @@ class CandidateRecord(BaseModel):
     best_epoch: int | None
     epochs: int = Field(ge=0)
     seconds: float = Field(ge=0)
+    curve: list[float | None] = Field(
+        default_factory=list,
+        description="`metric` on the validation split after each epoch run (null: not scored).",
+    )
+    pruned_after: int | None = Field(
+        None,
+        ge=1,
+        description="training.candidates_prune_after stopped the fit after this epoch, as it "
+        "trailed an earlier candidate (null: it ran its whole first fit).",
+    )
+
+    @field_validator("validation", mode="before")
+    @classmethod
+    def _nan_is_none(cls, value: object) -> object:
+        return None if isinstance(value, float) and math.isnan(value) else value
+
+    @field_validator("curve", mode="before")
+    @classmethod
+    def _nan_in_curve_is_none(cls, value: object) -> object:
+        if not isinstance(value, list):
+            return value
+        return [None if isinstance(v, float) and math.isnan(v) else v for v in value]
 
     def line(self) -> str:
-        """`key=value, ...: metric 0.1234` in plain words."""
-        settings = ", ".join(f"{k}={v}" for k, v in sorted(self.settings.items()))
+        """`key=value, ...: validation metric 0.1234` in plain words."""
         score = "no score" if self.validation is None else f"{self.validation:.4f}"
-        return f"{settings or 'the config itself'}: validation {self.metric} {score}"
+        pruned = "" if self.pruned_after is None else f" (pruned after epoch {self.pruned_after})"
+        return f"{settings_text(self.settings)}: validation {self.metric} {score}{pruned}"
+
+
+def settings_text(settings: Mapping[str, Any]) -> str:
+    """`key=value, ...` of a candidate's settings, or "the config itself" for none."""
+    if not settings:
+        return "the config itself"
+    return ", ".join(f"{key}={value}" for key, value in sorted(settings.items()))
 
 
 class TrainRecord(StageRecord):

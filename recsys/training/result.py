@@ -62,10 +62,13 @@ class TrainResult:
     # The first fit's validation score on training.early_stopping_metric (the kept epoch's;
     # None without a validation split).
     validation_score: float | None = None
-    # training.candidates: each first fit tried (recsys.training.candidates.CandidateTrial as
-    # plain data, the config's own first) and the index of the one kept.
+    # training.candidates: each first fit tried (recsys.core.records.CandidateRecord as plain
+    # data, the config's own first) and the index of the one kept.
     candidates: list[dict[str, Any]] = field(default_factory=list)
     chosen_candidate: int | None = None
+    # training.candidates_prune_after: the epoch after which this fit stopped, trailing an
+    # earlier candidate (None: it ran its whole first fit).
+    pruned_after: int | None = None
 
     @property
     def examples_per_second(self) -> float:

@@ -26,7 +26,7 @@ from recsys.core.auto import DeviceFacts
 from recsys.core.config import RecsysConfig, TrainingConfig, set_values
 from recsys.core.errors import ConfigError, OutOfMemoryError, StorageError, storage_errno
 from recsys.core.layout import DataFile
-from recsys.core.records import read_stats
+from recsys.core.records import CandidateRecord, read_stats, settings_text
 from recsys.core.resolve import Resolved, resolve_config
 from recsys.model import (
     ItemFeatures,
@@ -37,10 +37,10 @@ from recsys.model import (
     warm_start,
 )
 from recsys.training.candidates import (
-    CandidateTrial,
+    CandidatePruner,
     candidate_configs,
     chosen,
-    describe,
+    pruning_bar,
     same_training,
 )
 from recsys.training.dataset import item_log_probabilities
@@ -419,7 +419,8 @@ def _choose(
     validation kept. A single process keeps every finished fit in the backup folder, so an
     interrupted run trains none of them again."""
     written = options[0].config.training.candidates
-    trials: list[CandidateTrial] = []
+    after = options[0].config.training.candidates_prune_after
+    trials: list[CandidateRecord] = []
     best: TrainResult | None = None
     for index, option in enumerate(options):
         settings = written[index - 1] if index else {}
@@ -428,32 +429,64 @@ def _choose(
             # Nothing to train: the settings are those of an earlier candidate (e.g. the
             # config already sets them); it scores what that one scored.
             log.info("training candidate %d: the same as candidate %d", index + 1, twin + 1)
-            trials.append(
-                dataclasses.replace(trials[twin], index=index, settings=settings, seconds=0.0)
-            )
+            same = {"index": index, "settings": settings, "seconds": 0.0}
+            trials.append(trials[twin].model_copy(update=same))
             continue
         folder = None if backup_dir is None else backup_dir / f"candidate-{index}"
-        log.info("training candidate %d of %d: %s", index + 1, len(options), describe(settings))
+        log.info(
+            "training candidate %d of %d: %s", index + 1, len(options), settings_text(settings)
+        )
         tf.keras.utils.set_random_seed(option.config.training.seed)
         keep = folder if single else None
         name = "train" if index == 0 else f"candidate{index}"
-        result = _kept_or_first_fit(option.config, data_dir, setup, folder, extra, keep, name)
         metric = option.config.training.early_stopping_metric
-        score = math.nan if result.validation_score is None else result.validation_score
-        epochs = len(result.epoch_seconds) or len(result.history.get("loss", []))
-        trial = CandidateTrial(
-            index, dict(settings), metric, score, result.best_epoch, epochs, result.seconds
-        )
-        log.info("training candidate %d: validation %s %.4f", index + 1, metric, score)
+        bar = pruning_bar(trials)
+        pruner = CandidatePruner(metric, bar, after) if index and after else None
+        callbacks = extra if pruner is None else [pruner, *extra]
+        result = _kept_or_first_fit(option.config, data_dir, setup, folder, callbacks, keep, name)
+        trial = _trial(index, settings, metric, result)
+        score = math.nan if trial.validation is None else trial.validation
+        if trial.pruned_after is None:
+            log.info("training candidate %d: validation %s %.4f", index + 1, metric, score)
+        else:
+            log.info(
+                "training candidate %d: pruned after epoch %d (validation %s %.4f, below the "
+                "%.4f an earlier candidate had by then)",
+                index + 1,
+                trial.pruned_after,
+                metric,
+                score,
+                bar[min(trial.pruned_after, len(bar)) - 1],
+            )
         trials.append(trial)
         if chosen(trials) == index:
             best = result
     winner = chosen(trials)
-    log.info("training.candidates: kept %d (%s)", winner + 1, describe(trials[winner].settings))
+    log.info(
+        "training.candidates: kept %d (%s)", winner + 1, settings_text(trials[winner].settings)
+    )
     assert best is not None
-    best.candidates = [trial.record() for trial in trials]
+    best.candidates = [trial.model_dump() for trial in trials]
     best.chosen_candidate = winner
     return options[winner], best
+
+
+def _trial(
+    index: int, settings: dict[str, Any], metric: str, result: TrainResult
+) -> CandidateRecord:
+    """The record of one candidate's first fit."""
+    curve: list[float | None] = list(result.history.get(f"val_{metric}", []))
+    return CandidateRecord(
+        index=index,
+        settings=dict(settings),
+        metric=metric,
+        validation=result.validation_score,
+        best_epoch=result.best_epoch,
+        epochs=len(result.epoch_seconds) or len(result.history.get("loss", [])),
+        seconds=result.seconds,
+        curve=curve,
+        pruned_after=result.pruned_after,
+    )
 
 
 def announce_fit(callbacks: list[tf.keras.callbacks.Callback], fit: str) -> None:
@@ -563,6 +596,7 @@ def _first_fit(
         cached=plan.cached,
         input=tc.input,
         validation_score=score,
+        pruned_after=next((c.pruned_after for c in extra if isinstance(c, CandidatePruner)), None),
     )
 
 
