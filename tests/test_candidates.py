@@ -138,7 +138,9 @@ class _Scores(tf.keras.callbacks.Callback):
         logs["val_recall_at_50"] = self.scores[epoch]
 
 
-def _epochs_run(scores: list[float], bar: list[float], after: int) -> tuple[int, int | None]:
+def _epochs_run(
+    scores: list[float], bar: list[float], after: int, initial_epoch: int = 0
+) -> tuple[int, int | None]:
     """Epochs a real Keras fit runs with the pruner, and the epoch it was pruned after."""
     model = tf.keras.Sequential([tf.keras.layers.Dense(1)])
     model.compile(optimizer="sgd", loss="mse")
@@ -147,6 +149,7 @@ def _epochs_run(scores: list[float], bar: list[float], after: int) -> tuple[int,
         np.ones((4, 2)),
         np.ones(4),
         epochs=len(scores),
+        initial_epoch=initial_epoch,  # > 0: as BackupAndRestore resumes a fit
         verbose=0,
         callbacks=[_Scores(scores), pruner],
     )
@@ -166,6 +169,8 @@ def test_a_candidate_that_trails_the_bar_from_the_prune_epoch_on_stops() -> None
     # Past the bar's last epoch, its last value is the bar; the last epoch is never pruned.
     assert _epochs_run([0.1, 0.5, 0.55, 0.58, 0.59, 0.6], [0.3, 0.5, 0.59], after=4) == (4, 4)
     assert _epochs_run([0.1, 0.1, 0.1], bar, after=3) == (3, None)
+    # A resumed fit (its epochs before the resume unseen) is not pruned: 3 epochs of 4 run.
+    assert _epochs_run([0.1, 0.1, 0.1, 0.1], bar, after=2, initial_epoch=1) == (3, None)
 
 
 def test_the_run_keeps_the_candidate_that_wins_on_validation(

@@ -110,7 +110,9 @@ class CandidatePruner(tf.keras.callbacks.Callback):
     below `bar` at that epoch: the best an earlier candidate had reached by the same epoch.
     That earlier candidate then already scores above it, so it could not be kept; what it
     would have reached with the rest of its epochs is what pruning gives up. Place it after
-    the callback that writes `val_<metric>` into the epoch's logs.
+    the callback that writes `val_<metric>` into the epoch's logs. A fit resumed after an
+    interruption is not pruned: the scores of its epochs before the resume are unknown here,
+    so its best so far would be understated.
     """
 
     def __init__(self, metric: str, bar: Sequence[float], after: int) -> None:
@@ -120,8 +122,13 @@ class CandidatePruner(tf.keras.callbacks.Callback):
         self.after = after
         self.best = math.nan
         self.pruned_after: int | None = None  # the 1-based epoch the fit stopped after
+        self.first_epoch: int | None = None  # > 0: a resumed fit
 
     def on_epoch_end(self, epoch: int, logs: dict[str, float] | None = None) -> None:
+        if self.first_epoch is None:
+            self.first_epoch = epoch
+        if self.first_epoch:
+            return
         value = (logs or {}).get(self.key)
         if value is not None and math.isfinite(value):
             self.best = value if math.isnan(self.best) else max(self.best, value)
