@@ -257,6 +257,7 @@ def test_a_night_reports_its_candidates_in_the_summary_and_mlflow(
         assert line in summary and line in out.getvalue()
     assert run.data.tags["candidate.kept"] == "1"
     assert run.data.tags["candidate.1"] == record.candidates[1].line()
+    assert run.data.tags["candidate.2"].endswith("(pruned after epoch 2)")
     # Each candidate's epochs were watched live under its own prefix.
     assert "candidate1_val_recall_at_50" in run.data.metrics, sorted(run.data.metrics)
     assert "candidate2_val_recall_at_50" in run.data.metrics
