@@ -55,6 +55,7 @@ from recsys.core.layout import (
     missing_outputs,
     new_run_id,
 )
+from recsys.core.memory import release_memory, resident_bytes
 from recsys.core.progress import shown
 from recsys.core.records import (
     EvaluateMarker,
@@ -305,6 +306,14 @@ class _Nightly:
                 raise storage from None
             raise _failed(name, exc) from exc
         seconds = time.perf_counter() - start
+        # The next stage's peak must not land on this one's freed-but-kept heap.
+        released = release_memory()
+        log.info(
+            "stage %s: released %d MiB (resident now %d MiB)",
+            name,
+            released >> 20,
+            resident_bytes() >> 20,
+        )
         folder = self._folder(name)
         write_marker(folder, name, seconds, info)
         mirror.push(self.workdir)  # a bucket workdir keeps every finished stage
@@ -486,9 +495,8 @@ def _storage_in_message(stage: str, exc: Exception) -> StorageError | None:
 def apply_retention(workdir: Workdir, keep_days: int) -> list[Path]:
     """Delete data/ and runs/ of all but the newest `keep_days` dates, never the champion's."""
     champion = champion_record(workdir)
-    protected = {
-        workdir.local(p).resolve() for p in (champion.get("run_dir"), champion.get("data_dir")) if p
-    }
+    folders = (champion.run_dir, champion.data_dir) if champion else ()
+    protected = {workdir.local(p).resolve() for p in folders if p}
     removed: list[Path] = []
     for parent in (workdir.root / "data", workdir.root / "runs"):
         if not parent.is_dir():

@@ -219,16 +219,16 @@ def train(
 def incremental_start(config: RecsysConfig, workdir: Workdir) -> IncrementalStart | None:
     """`training.mode: incremental`: the champion's served model and the newest second of the
     data it was trained on (None: full training, logged by the trainer)."""
-    champion = workdir.champion_file()
-    if config.training.mode != "incremental" or not champion.is_file():
+    champion = champion_record(workdir) if config.training.mode == "incremental" else None
+    if champion is None:
         return None
-    record = json.loads(champion.read_text())
-    model_dir = Path(record.get("run_dir") or "") / RunFile.MODEL
-    if not record.get("run_dir") or not model_dir.is_dir():
+    # The record names public paths (URIs in a bucket workdir): read their local copies.
+    model_dir = workdir.local(champion.run_dir or "") / RunFile.MODEL
+    if not champion.run_dir or not model_dir.is_dir():
         log.warning("incremental training: the champion's run folder is gone")
         return None
     try:
-        since = read_stats(Path(record.get("data_dir") or "")).max_timestamp
+        since = read_stats(workdir.local(champion.data_dir or "")).max_timestamp
     except RecordError as exc:
         log.warning("incremental training: the champion's data cannot be used: %s", exc)
         return None
@@ -525,7 +525,8 @@ def _finish_export(
 ) -> dict[str, Any]:
     """Rewrite models.config (its champion/challenger labels kept: recsys.serving_state moves
     them) and prune versions beyond export.keep_versions, never the served ones or this one."""
-    champion = champion_record(workdir).get("export_version")
+    record = champion_record(workdir)
+    champion = record.export_version if record else None
     export_config = config.export.model_copy(
         update={"serving_base_path": workdir.serving_base(config.export.serving_base_path)}
     )

@@ -46,7 +46,10 @@ def evaluate_model(
 
 
 def query_vectors(
-    model: TrainedModel, user_ids: Sequence[str], histories: np.ndarray, batch_size: int = 65536
+    model: TrainedModel,
+    user_ids: Sequence[str],
+    histories: np.ndarray,
+    batch_size: int | None = None,
 ) -> np.ndarray:
     """[n, d] query vectors of raw user ids with histories already as item indices
     ([n, history_length], PAD-filled): `TrainedModel.user_embeddings` without the string

@@ -15,16 +15,13 @@ nightly (after publishing, and at the end of every night), `recsys ab analyze --
 
 from __future__ import annotations
 
-import json
 import logging
-import os
-import uuid
 from dataclasses import dataclass, field
-from typing import Any
 
 from mlflow import MlflowClient
 
 from recsys.core.layout import Workdir
+from recsys.core.records import ChampionRecord, read_champion, write_record
 from recsys.tracking import registry
 from serving_export.serving_config import LABELS, read_version_labels, set_version_labels
 
@@ -39,14 +36,14 @@ class ServingState:
     """What the aliases say serving must be: labels, the champion record, and what cannot be."""
 
     labels: dict[str, int]
-    champion: dict[str, Any]
+    champion: ChampionRecord | None
     problems: list[str] = field(default_factory=list)
 
 
 def derive_serving_state(client: MlflowClient, model_name: str) -> ServingState:
     """The labels of models.config and the record of champion.json, as the aliases imply."""
     labels: dict[str, int] = {}
-    champion: dict[str, Any] = {}
+    champion: ChampionRecord | None = None
     problems: list[str] = []
     for alias in LABELS:
         version = registry.alias_version(client, model_name, alias)
@@ -62,14 +59,14 @@ def derive_serving_state(client: MlflowClient, model_name: str) -> ServingState:
                 f"version (tag {MODEL_VERSION_TAG}): TF Serving gets no `{alias}` label"
             )
         if alias == registry.CHAMPION:
-            champion = {
-                "model_name": model_name,
-                "registered_version": str(version.version),
-                "run_dir": tags.get("run_dir"),
-                "data_dir": tags.get("data_dir"),
-                "export_version": export or None,
-                "run_date": tags.get("run_date"),
-            }
+            champion = ChampionRecord(
+                model_name=model_name,
+                registered_version=str(version.version),
+                run_dir=tags.get("run_dir"),
+                data_dir=tags.get("data_dir"),
+                export_version=export or None,
+                run_date=tags.get("run_date"),
+            )
     return ServingState(labels, champion, problems)
 
 
@@ -81,8 +78,8 @@ def serving_drift(state: ServingState, workdir: Workdir) -> list[str]:
         drift.append(f"models.config labels {written}, the registry's aliases say {state.labels}")
     recorded = champion_record(workdir)
     if recorded != state.champion:
-        was = recorded.get("registered_version", "none")
-        now = state.champion.get("registered_version", "none")
+        was = recorded.registered_version if recorded else "none"
+        now = state.champion.registered_version if state.champion else "none"
         drift.append(
             f"champion.json says champion version {was}, the registry says {now}"
             if was != now
@@ -99,7 +96,7 @@ def write_serving_state(state: ServingState, workdir: Workdir, base_path: str | 
     with no `champion` at all (a store that was emptied, a wrong tracking URI) changes
     nothing: serving keeps what it has, and the problem says why.
     """
-    if not state.champion:
+    if state.champion is None:
         if champion_record(workdir) or read_version_labels(workdir.export_root()):
             state.problems.append(
                 "the registry names no champion: models.config and champion.json are left as "
@@ -133,19 +130,20 @@ def sync_serving(
     return state
 
 
-def champion_record(workdir: Workdir) -> dict[str, Any]:
-    """The cached champion record (empty if no champion was ever recorded here)."""
-    path = workdir.champion_file()
-    return json.loads(path.read_text()) if path.is_file() else {}
+def champion_record(workdir: Workdir) -> ChampionRecord | None:
+    """The cached champion record (None if no champion was ever recorded here)."""
+    return read_champion(workdir.champion_file())
 
 
-def _write_champion(workdir: Workdir, record: dict[str, Any]) -> None:
+def _write_champion(workdir: Workdir, record: ChampionRecord) -> None:
     path = workdir.champion_file()
-    if champion_record(workdir) == record:
+    # Compared as text, so a file in an earlier release's shape is rewritten in today's.
+    if (
+        path.is_file()
+        and path.read_text(encoding="utf-8") == record.model_dump_json(indent=2) + "\n"
+    ):
         return
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}")
-    tmp.write_text(json.dumps(record, indent=2, sort_keys=True) + "\n")
-    os.replace(tmp, path)
+    write_record(path, record)
 
 
 def _exported_models(workdir: Workdir) -> list[str]:

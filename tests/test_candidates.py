@@ -27,7 +27,7 @@ from recsys.core.config import RecsysConfig, parse_config, set_values
 from recsys.core.errors import ConfigError
 from recsys.core.layout import RunFile, Workdir
 from recsys.core.records import CandidateRecord, read_train
-from recsys.training.candidates import CandidatePruner, chosen, pruning_bar
+from recsys.training.candidates import CandidatePruner, bar_at, chosen, pruning_bar
 from recsys.training.trainer import train
 from tests.conftest import SMALL, SMALL_DATE, plain
 from tests.mlflow_server import MlflowServer
@@ -100,6 +100,9 @@ def test_the_pruning_bar_is_the_best_any_earlier_fit_had_reached_by_each_epoch()
     assert pruning_bar([early, late, unscored]) == pytest.approx([0.3, 0.5, 0.5, 0.5, 0.6])
     assert pruning_bar([]) == []
     assert all(math.isnan(v) for v in pruning_bar([unscored]))
+    bar = pruning_bar([early, late])
+    assert [bar_at(bar, e) for e in (1, 5, 9)] == pytest.approx([0.3, 0.6, 0.6])  # holds past end
+    assert math.isnan(bar_at([], 1))
 
 
 def test_a_candidate_record_of_an_earlier_release_still_reads() -> None:

@@ -71,3 +71,16 @@ def test_input_override_picks_reader() -> None:
     assert cfg.with_input("x/events.csv").data.source == "csv"
     ml = parse_config({"data": {"source": "movielens-100k", "path": "a/u.data"}})
     assert ml.with_input("b/u.data").data.source == "movielens-100k"
+
+
+def test_per_row_training_needs_stored_histories_as_long_as_each_models() -> None:
+    # The default candidates read 50 items; the Beam job stores 20 with each row by default.
+    with pytest.raises(ConfigError, match=r"candidates\[1\] model\.history_length 50 .*20"):
+        parse_config({"training": {"input": "rows"}})
+    with pytest.raises(ConfigError, match=r"^.*: model\.history_length 30 is longer"):
+        parse_config(
+            {"training": {"input": "rows", "candidates": []}, "model": {"history_length": 30}}
+        )
+    assert parse_config({"training": {"input": "rows"}, "preprocess": {"history_length": 50}})
+    assert parse_config({"training": {"input": "rows", "candidates": []}})
+    assert parse_config({"model": {"history_length": 30}})  # sequences read the whole sequence

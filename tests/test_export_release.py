@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import datetime as dt
+import json
 import os
 import shutil
 import subprocess
@@ -20,6 +21,7 @@ from tensorflow_serving.config import model_server_config_pb2
 from conductor import stages
 from recsys.core.config import ExportConfig, RecsysConfig
 from recsys.core.layout import Workdir
+from recsys.core.records import RecordError
 from serving_export import savedmodels
 from serving_export.manifest import load_embeddings
 from serving_export.release import finish_release, prune_versions, versions
@@ -341,8 +343,21 @@ def test_serving_follows_the_registry_aliases(tmp_path: Path) -> None:
     registry.set_alias(client, "m", registry.CHALLENGER, 2)
     sync_serving(client, "m", workdir, None)
     assert read_version_labels(tmp_path / "export") == {"champion": 1, "challenger": 2}
-    assert champion_record(workdir)["registered_version"] == "1"
+    first = champion_record(workdir)
+    assert first is not None and first.registered_version == "1"
+    # champion.json as an earlier release wrote it (no record kind) reads as the same record,
+    # and the next sync rewrites it in today's shape.
+    legacy = first.model_dump(exclude={"record", "format_version"})
+    workdir.champion_file().write_text(json.dumps(legacy))
+    assert champion_record(workdir) == first
+    sync_serving(client, "m", workdir, None)
+    assert json.loads(workdir.champion_file().read_text())["record"] == "champion"
     registry.set_alias(client, "m", registry.CHAMPION, 2)  # the challenger was promoted
     state = sync_serving(client, "m", workdir, None)
     assert read_version_labels(tmp_path / "export") == {"champion": 2, "challenger": 2}
-    assert champion_record(workdir)["export_version"] == "2" and state.problems == []
+    second = champion_record(workdir)
+    assert second is not None and second.export_version == "2" and state.problems == []
+    # A damaged file is a record error naming the file and the field, not a KeyError later.
+    workdir.champion_file().write_text(json.dumps({**legacy, "registered_version": None}))
+    with pytest.raises(RecordError, match=r"champion\.json: field 'registered_version'"):
+        champion_record(workdir)

@@ -19,6 +19,7 @@ from recsys.losses import in_batch_softmax_loss
 from recsys.model import TrainedModel, TwoTowerModel, warm_start
 from recsys.model.encoders import GRUEncoder, TransformerEncoder, right_align
 from recsys.model.negatives import sample_pool
+from recsys.model.trained import ENCODE_ELEMENTS, MAX_ENCODE_ROWS
 from recsys.training.memory import FLOAT, estimate
 from serving_export.savedmodels import export_savedmodels
 from tests.conftest import SMALL_DATE
@@ -295,6 +296,22 @@ def test_without_a_user_table_the_query_is_the_history_alone() -> None:
     for new, old in ((model, with_users), (with_users, model)):
         copied = warm_start(new, old)
         assert copied["items"] == len(ITEMS) and "users" not in copied
+
+
+def test_query_vectors_are_encoded_in_row_chunks_bounded_by_the_history_size() -> None:
+    wide = TRANSFORMER.model_copy(update={"history_length": 50, "embedding_dim": 64})
+    rows = TrainedModel.build(USERS, ITEMS, wide).encode_rows()
+    assert rows * 50 * 64 <= ENCODE_ELEMENTS < (rows + 1) * 50 * 64
+    no_history = TRANSFORMER.model_copy(update={"history_length": 0, "query_encoder": "mean"})
+    assert TrainedModel.build(USERS, ITEMS, no_history).encode_rows() == MAX_ENCODE_ROWS
+    # Chunks change nothing: one row per call gives the one-call vectors.
+    tf.keras.utils.set_random_seed(3)
+    model = TrainedModel.build(USERS, ITEMS, TRANSFORMER)
+    histories = [["i3", "i7", "i1"], [], ["i4"], ["i2", "i9"]]
+    users = ["u1", "u2", "nobody", "u7"]
+    whole = model.user_embeddings(users, histories, batch_size=len(users))
+    np.testing.assert_allclose(model.user_embeddings(users, histories, 1), whole, atol=1e-6)
+    np.testing.assert_allclose(model.user_embeddings(users, histories), whole, atol=1e-6)
 
 
 @pytest.mark.parametrize(

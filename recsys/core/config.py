@@ -535,7 +535,8 @@ class TrainingConfig(_Strict):
             "What one training step reads. sequences: windows of each user's sequence "
             "records, every position trained in one causal pass of the query tower "
             "(recsys/training/windows.py). rows: one example per interaction row with its "
-            "stored history (needs preprocess.history_length >= model.history_length), "
+            "stored history (preprocess.history_length must cover model.history_length, "
+            "candidates' included), "
             "each history encoded on its own: the per-prefix path, kept as a reference."
         ),
     )
@@ -1217,6 +1218,28 @@ class RecsysConfig(_Strict):
                         "the run's data, devices and validation score); set it for the run"
                     )
                 self._check_setting(where, key, value)
+        return self
+
+    @model_validator(mode="after")
+    def _stored_history_covers_the_models(self) -> RecsysConfig:
+        # training.input rows encodes the history the Beam job stored with each row: a longer
+        # model.history_length would silently see only the stored items.
+        if self.training.input != "rows":
+            return self
+        stored = self.preprocess.history_length
+        lengths = {"model.history_length": self.model.history_length}
+        for i, candidate in enumerate(self.training.candidates, start=1):
+            if "model.history_length" in candidate:
+                where = f"training.candidates[{i}] model.history_length"
+                lengths[where] = int(candidate["model.history_length"])
+        for where, length in lengths.items():
+            if length > stored:
+                raise ValueError(
+                    f"{where} {length} is longer than the histories the Beam job writes "
+                    f"(preprocess.history_length {stored}), which training.input rows "
+                    f"encodes: raise preprocess.history_length to {length}, or train from "
+                    "sequences (training.input: sequences)"
+                )
         return self
 
     def _check_setting(self, where: str, key: str, value: Any) -> None:

@@ -109,6 +109,23 @@ class RunKeyRecord(StageRecord):
     data_fingerprint: str | None
 
 
+class ChampionRecord(StageRecord):
+    """champion.json: the served model's registered version and where its run, data and export
+    are, cached from the registry's `champion` alias (retention and incremental training read
+    it while the tracking server is down)."""
+
+    KIND: ClassVar[str] = "champion"
+    PRODUCER: ClassVar[str] = "recsys repair"
+
+    record: Literal["champion"] = "champion"
+    model_name: str
+    registered_version: str
+    run_dir: str | None = None  # the run folder's public path (a bucket URI for a bucket workdir)
+    data_dir: str | None = None
+    export_version: str | None = None  # export/<model>/<N>; None: the run was never exported
+    run_date: str | None = None
+
+
 class CandidateRecord(BaseModel):
     """One first fit of `training.candidates`: its settings, validation score and cost."""
 
@@ -435,13 +452,23 @@ R = TypeVar("R", bound=StageRecord)
 
 def read_record(cls: type[R], path: Path) -> R:
     """The record at `path`, validated; RecordError naming the file, field and fix if not."""
-    rerun = f"rerun `{cls.PRODUCER}` to write it again"
+    return _validate(cls, path, _load_json(cls, path))
+
+
+def _load_json(cls: type[StageRecord], path: Path) -> Any:
     try:
-        data = json.loads(path.read_text(encoding="utf-8"))
+        return json.loads(path.read_text(encoding="utf-8"))
     except FileNotFoundError:
         raise RecordError(f"{path} is missing: run `{cls.PRODUCER}` first") from None
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise RecordError(f"{path}: unreadable {cls.KIND} record ({exc}); {rerun}") from None
+        raise RecordError(
+            f"{path}: unreadable {cls.KIND} record ({exc}); rerun `{cls.PRODUCER}` to write it "
+            "again"
+        ) from None
+
+
+def _validate(cls: type[R], path: Path, data: Any) -> R:
+    rerun = f"rerun `{cls.PRODUCER}` to write it again"
     if not isinstance(data, dict) or "record" not in data:
         raise RecordError(
             f"{path}: field 'record': missing; not a {cls.KIND} record of this release "
@@ -495,6 +522,20 @@ def read_metrics(run_dir: Path) -> MetricsRecord:
 def read_export(run_dir: Path) -> ExportRecord:
     """A run folder's export.json."""
     return read_record(ExportRecord, run_dir / RunFile.EXPORT)
+
+
+def read_champion(path: Path) -> ChampionRecord | None:
+    """champion.json (None when no champion was recorded here).
+
+    A file written before champion.json carried its kind and format version reads as the
+    same record (the next serving sync rewrites it in today's shape).
+    """
+    if not path.is_file():
+        return None
+    data = _load_json(ChampionRecord, path)
+    if isinstance(data, dict) and "record" not in data and "registered_version" in data:
+        data = {"record": ChampionRecord.KIND, "format_version": FORMAT_VERSION, **data}
+    return _validate(ChampionRecord, path, data)
 
 
 def write_marker(folder: Path, stage: str, seconds: float, outcome: dict[str, Any]) -> StageMarker:

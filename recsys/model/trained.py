@@ -30,6 +30,13 @@ from recsys.model.inputs import (
 )
 from recsys.model.towers import CandidateTower, QueryTower
 
+# Rows per tower call: the query tower's largest activations are [rows, history_length, width]
+# (attention adds [rows, heads, length, length]), so a fixed 65,536 rows held ~2.7 GB more at
+# length 50 and width 64. 2**25 elements per [rows, length, width] tensor (128 MiB in float32;
+# 10,485 rows there) was also the fastest of 2**22-2**25 and 65,536 rows on that model.
+ENCODE_ELEMENTS = 2**25
+MAX_ENCODE_ROWS = 65_536
+
 
 @dataclass
 class TrainedModel:
@@ -100,6 +107,11 @@ class TrainedModel:
         hidden = self.config.hidden_dims
         return hidden[-1] if hidden else self.config.embedding_dim
 
+    def encode_rows(self) -> int:
+        """Rows per query-tower call: ENCODE_ELEMENTS over one row's history activations."""
+        per_row = max(self.config.history_length, 1) * max(self.config.embedding_dim, 1)
+        return max(64, min(MAX_ENCODE_ROWS, ENCODE_ELEMENTS // per_row))
+
     def item_indices(self) -> np.ndarray:
         """Indices of the catalog's items (vocabulary order), OOV buckets excluded."""
         oov = self.config.oov_buckets
@@ -146,7 +158,7 @@ class TrainedModel:
         self,
         user_ids: Sequence[str],
         histories: Sequence[Sequence[str | bytes]] | None = None,
-        batch_size: int = 65536,
+        batch_size: int | None = None,
     ) -> np.ndarray:
         """[len(user_ids), d] float32 query vectors for raw user ids and their item histories.
 
@@ -156,6 +168,7 @@ class TrainedModel:
         if histories is not None and len(histories) != len(user_ids):
             raise ValueError(f"{len(histories)} histories for {len(user_ids)} users")
         users, items = self.user_lookup(), self.item_lookup()
+        batch_size = batch_size or self.encode_rows()
         parts = []
         for i in range(0, len(user_ids), batch_size):
             ids = list(user_ids[i : i + batch_size])
@@ -176,10 +189,11 @@ class TrainedModel:
         self,
         user_index: np.ndarray,
         history_index: np.ndarray | None = None,
-        batch_size: int = 65536,
+        batch_size: int | None = None,
     ) -> np.ndarray:
         """[n, d] float32 query vectors of already looked-up inputs: user indices and
         [n, history_length] item-index histories (oldest first, PAD after; None: empty)."""
+        batch_size = batch_size or self.encode_rows()
         parts = []
         for i in range(0, len(user_index), batch_size):
             inputs = {USER_INDEX: tf.constant(user_index[i : i + batch_size], tf.int64)}

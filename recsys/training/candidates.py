@@ -91,6 +91,11 @@ def _best_so_far(curve: Sequence[float | None]) -> list[float]:
     return [float(v) for v in np.fmax.accumulate(values)] if values.size else []
 
 
+def bar_at(bar: Sequence[float], epoch: int) -> float:
+    """The bar at (1-based) `epoch`, its last value holding past its end (nan when empty)."""
+    return bar[min(epoch, len(bar)) - 1] if bar else math.nan
+
+
 def trails(best: float, bar: Sequence[float], epoch: int, after: int, epochs: int) -> bool:
     """Whether a fit whose best score by (1-based) `epoch` of `epochs` is `best` stops there.
 
@@ -98,9 +103,9 @@ def trails(best: float, bar: Sequence[float], epoch: int, after: int, epochs: in
     bar's last value holding past its end; never at its last epoch (nothing left to save) and
     never against nan (an epoch nobody scored).
     """
-    if not after or epoch < after or epoch >= epochs or not bar:
+    if not after or epoch < after or epoch >= epochs:
         return False
-    return best < bar[min(epoch, len(bar)) - 1]  # False while either is nan
+    return best < bar_at(bar, epoch)  # False while either is nan
 
 
 class CandidatePruner(tf.keras.callbacks.Callback):

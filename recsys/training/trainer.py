@@ -38,6 +38,7 @@ from recsys.model import (
 )
 from recsys.training.candidates import (
     CandidatePruner,
+    bar_at,
     candidate_configs,
     chosen,
     pruning_bar,
@@ -456,7 +457,7 @@ def _choose(
                 trial.pruned_after,
                 metric,
                 score,
-                bar[min(trial.pruned_after, len(bar)) - 1],
+                bar_at(bar, trial.pruned_after),
             )
         trials.append(trial)
         if chosen(trials) == index:
