@@ -61,7 +61,7 @@ def main() -> None:
     hist = rng.integers(cfg.oov_buckets, cfg.oov_buckets + len(model.items), (args.users, length))
     model.query_embeddings(users[:1000], hist[:1000], 1000)  # traces and warms the tower
     rows_out = []
-    for rows in args.rows:
+    for rows in dict.fromkeys([*args.rows, model.encode_rows()]):  # the shipped size always
         release_memory()
         base = resident_bytes()
         seconds, peak = peak_during(lambda r=rows: model.query_embeddings(users, hist, r))

@@ -35,6 +35,7 @@ from recsys.core.layout import (
 from recsys.core.records import (
     AlsRecord,
     AlsTrialRecord,
+    ChampionRecord,
     MetricsRecord,
     PairedComparison,
     SampleSize,
@@ -129,8 +130,13 @@ def test_retention_keeps_the_newest_days_and_the_champions(tmp_path: Path) -> No
         _dated(tmp_path, "data", date)
         _dated(tmp_path, "runs", date, "run-a", "run-b")
     champion = tmp_path / "runs" / dates[0] / "run-b"
-    record = {"run_dir": str(champion), "data_dir": str(tmp_path / "data" / dates[0])}
-    (tmp_path / CHAMPION_FILE).write_text(json.dumps(record))
+    record = ChampionRecord(
+        model_name="m",
+        registered_version="1",
+        run_dir=str(champion),
+        data_dir=str(tmp_path / "data" / dates[0]),
+    )
+    write_record(tmp_path / CHAMPION_FILE, record)
 
     removed = apply_retention(Workdir(tmp_path), keep_days=2)
 

@@ -31,9 +31,10 @@ from recsys.model.inputs import (
 from recsys.model.towers import CandidateTower, QueryTower
 
 # Rows per tower call: the query tower's largest activations are [rows, history_length, width]
-# (attention adds [rows, heads, length, length]), so a fixed 65,536 rows held ~2.7 GB more at
-# length 50 and width 64. 2**25 elements per [rows, length, width] tensor (128 MiB in float32;
-# 10,485 rows there) was also the fastest of 2**22-2**25 and 65,536 rows on that model.
+# (attention adds [rows, heads, length, length]), and a fixed 65,536 rows held ~2.7 GB more
+# while encoding. A budget of 2**25 elements per [rows, length, width] tensor (128 MiB in
+# float32; 26,214 rows at length 20 and width 64) encoded more users per second than 65,536
+# rows there, in ~0.1 GB (benchmarks/encode_rows.py, docs/BENCHMARKS.md).
 ENCODE_ELEMENTS = 2**25
 MAX_ENCODE_ROWS = 65_536
 
