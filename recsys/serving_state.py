@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from mlflow import MlflowClient
 
 from recsys.core.layout import Workdir
-from recsys.core.records import ChampionRecord, read_champion, write_record
+from recsys.core.records import ChampionRecord, RecordError, read_champion, write_record
 from recsys.tracking import registry
 from serving_export.serving_config import LABELS, read_version_labels, set_version_labels
 
@@ -76,7 +76,10 @@ def serving_drift(state: ServingState, workdir: Workdir) -> list[str]:
     written = read_version_labels(workdir.export_root())
     if _exported_models(workdir) and written != state.labels:
         drift.append(f"models.config labels {written}, the registry's aliases say {state.labels}")
-    recorded = champion_record(workdir)
+    try:
+        recorded = champion_record(workdir)
+    except RecordError as exc:  # a derived cache: the sync rewrites it, never stops on it
+        return [*drift, f"champion.json cannot be read ({exc})"]
     if recorded != state.champion:
         was = recorded.registered_version if recorded else "none"
         now = state.champion.registered_version if state.champion else "none"
@@ -97,7 +100,7 @@ def write_serving_state(state: ServingState, workdir: Workdir, base_path: str | 
     nothing: serving keeps what it has, and the problem says why.
     """
     if state.champion is None:
-        if champion_record(workdir) or read_version_labels(workdir.export_root()):
+        if workdir.champion_file().is_file() or read_version_labels(workdir.export_root()):
             state.problems.append(
                 "the registry names no champion: models.config and champion.json are left as "
                 "they are (check tracking.uri, or set the alias: recsys repair then follows it)"

@@ -361,3 +361,5 @@ def test_serving_follows_the_registry_aliases(tmp_path: Path) -> None:
     workdir.champion_file().write_text(json.dumps({**legacy, "registered_version": None}))
     with pytest.raises(RecordError, match=r"champion\.json: field 'registered_version'"):
         champion_record(workdir)
+    sync_serving(client, "m", workdir, None)  # a derived cache: the sync writes it again
+    assert champion_record(workdir) == second
