@@ -10,7 +10,7 @@ and ml-latest `movies.csv` (`movieId,title,genres`).
 import csv
 import json
 import logging
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 
 import apache_beam as beam
@@ -180,11 +180,22 @@ class ReadItems(beam.PTransform):
 
     @no_annotations  # Beam only understands PCollection-typed expand hints
     def expand(self, pbegin: beam.pvalue.PBegin) -> beam.PCollection:
+        merge = self._cfg.merge_rows
         return (
             pbegin
             | "ItemFile" >> beam.Create([self._cfg])
             | "ReadItemRows" >> beam.FlatMap(read_items)
             | "ByItem" >> beam.GroupByKey()
-            # The smallest row of a repeated id, not the first: arrival order is not stable.
-            | "OneRow" >> beam.MapTuple(lambda item, rows: (item, min(rows)))
+            | "OneRow" >> beam.MapTuple(lambda item, rows: (item, one_row(rows, merge)))
         )
+
+
+def one_row(rows: Iterable[ItemFeatures], merge: bool) -> ItemFeatures:
+    """An item's features from its rows: the smallest row, or (`merge`) every row's genres
+    and the smallest non-empty title."""
+    # Sorted, never in arrival order: Beam does not keep the file's order of a group.
+    ordered = sorted(rows)
+    if not merge:
+        return ordered[0]
+    genres = tuple(dict.fromkeys(g for row_genres, _ in ordered for g in row_genres))
+    return genres, min((title for _, title in ordered if title), default="")

@@ -125,6 +125,28 @@ def test_csv_item_file_unknown_items_rejected_and_missing_features_empty(tmp_pat
     assert by_id["i1"]["genres"] == [] and "i3" not in by_id
 
 
+def test_item_file_with_a_row_per_attribute_merges_them(tmp_path: Path) -> None:
+    """`merge_rows`: item_id,attribute_id rows (as Amazon Beauty's) become one item's genres;
+    without it the smallest row of a repeated id is kept."""
+    log = tmp_path / "log.csv"
+    rows = [f"u{u},{(u + k) % 3},{CUTOFF - DAY + 60 * k}" for u in range(3) for k in range(4)]
+    log.write_text("user_id,item_id,timestamp\n" + "\n".join(rows) + "\n")
+    side = tmp_path / "item_attributes.csv"
+    side.write_text("item_id,attribute_id\n0,17\n0,3\n1,3\n2,9\n2,17\n2,3\n")
+    features = {}
+    for merge in (True, False):
+        items = {"path": str(side), "id_column": "item_id", "genres_column": "attribute_id",
+                 "title_column": None, "merge_rows": merge}  # fmt: skip
+        config = parse_config({"data": {"source": "csv", "path": str(log), "items": items}})
+        out = tmp_path / f"out-{merge}"
+        stats = run_preprocess(config, log, out, RUN_DATE)
+        assert stats["rejected"] == 0 and stats["accepted"] == len(rows)
+        table = pq.read_table(out / "item_features.parquet").to_pylist()
+        features[merge] = {r["item_id"]: sorted(r["genres"]) for r in table}
+    assert features[True] == {"0": ["17", "3"], "1": ["3"], "2": ["17", "3", "9"]}
+    assert features[False] == {"0": ["17"], "1": ["3"], "2": ["17"]}
+
+
 def test_write_items_csv_roundtrip(tmp_path: Path) -> None:
     synth = config_with().data.synthetic
     path = write_items_csv(synth, tmp_path / "x.items.csv")

@@ -162,6 +162,12 @@ class ItemsConfig(_Strict):
     title_column: str | None = Field("title", description="Column of the title; null: none.")
     genres_column: str | None = Field("genres", description="Column of the genres; null: none.")
     genres_separator: str = Field("|", description="Separator between genres in one field.")
+    merge_rows: bool = Field(
+        False,
+        description="Rows that repeat an item id add their genres to the item's (a file with "
+        "one row per item and attribute, e.g. item_id,attribute_id); false: the smallest row "
+        "of a repeated id is kept.",
+    )
 
     @field_validator("path")
     @classmethod
