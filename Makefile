@@ -4,6 +4,10 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 WORKDIR ?= recsys-work
 PYTEST_ARGS ?=
+# Two worker processes, each taking a whole test file (its module fixtures are set up once):
+# the suite's nightlies are mostly single-threaded Python, so two cores finish it ~1.5x sooner.
+# PYTEST_WORKERS=0 runs it in this process.
+PYTEST_WORKERS ?= 2
 # Apache Airflow's own venv (its pins clash with ours): only for the DAG's check.
 AIRFLOW_VENV ?= .venv-airflow
 AIRFLOW_BIN := $(AIRFLOW_VENV)/bin
@@ -22,7 +26,7 @@ run: install
 	$(BIN)/recsys nightly --config configs/default.yaml --workdir $(WORKDIR)
 
 test: install
-	$(BIN)/python -m pytest $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -n $(PYTEST_WORKERS) --dist loadfile $(PYTEST_ARGS)
 
 # The Airflow DAG (deploy/airflow), checked by Airflow itself: its tasks run $(BIN)/recsys.
 $(AIRFLOW_BIN)/airflow: deploy/airflow/requirements.txt

@@ -50,6 +50,14 @@ def _alive(pid: int) -> bool:
     return state != "Z"
 
 
+def _both_running(children: dict[int, str]) -> bool:
+    """Whether the reload check and a saved_model_cli are both among `children`."""
+    commands = children.values()
+    return any("reload_check.py" in c for c in commands) and any(
+        "saved_model_cli" in c for c in commands
+    )
+
+
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="/proc and PR_SET_PDEATHSIG")
 def test_a_killed_export_takes_its_children_and_leaves_scratch_only_under_the_workdir(
     tmp_path: Path,
@@ -69,13 +77,14 @@ def test_a_killed_export_takes_its_children_and_leaves_scratch_only_under_the_wo
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
     deadline = time.monotonic() + 600
     children: dict[int, str] = {}
-    while not any("reload_check.py" in c for c in children.values()):
-        assert proc.poll() is None, "export finished before its reload check was seen"
+    # Until both children are seen at once: saved_model_cli runs beside the reload check, one
+    # model at a time (bounded memory), so a snapshot between two models holds none of it.
+    while not _both_running(children):
+        assert proc.poll() is None, "export finished before both children were seen at once"
         assert time.monotonic() < deadline
         children = _children(proc.pid)
+        assert sum("saved_model_cli" in c for c in children.values()) <= 1, children
         time.sleep(0.05)
-    # saved_model_cli runs beside the reload check, one model at a time (bounded memory).
-    assert sum("saved_model_cli" in c for c in children.values()) == 1, children
     proc.send_signal(signal.SIGKILL)  # the parent only: its children are not signalled
     proc.wait()
     deadline = time.monotonic() + 30
