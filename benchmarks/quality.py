@@ -25,6 +25,8 @@ be resumed (`--resume`) or split across invocations; `--table` prints the markdo
 Each run's per-user ranks of the scored item go to `<results>.ranks.npz` beside the JSON, so
 `--paired A B` can compare two models on the same users (mean difference per metric and its
 bootstrap interval over users: the users are the sample that decides small differences).
+`--segments A B` splits the saved runs by history length and test item popularity
+(`benchmarks.segments`), A against B in each segment.
 
 Usage:
     .venv/bin/python benchmarks/quality.py --data ml-100k amazon-beauty --seeds 0 1 2
@@ -59,7 +61,7 @@ set_tf_env()  # before TensorFlow's first import, below: TFRS needs Keras 2
 import numpy as np
 import yaml
 
-from benchmarks import protocol, sasrec
+from benchmarks import protocol, sasrec, segments
 from conductor import stages
 from recsys import als_baseline, baselines, tuning
 from recsys import evaluation as ev
@@ -631,6 +633,21 @@ def _per_user(ranks: dict[str, np.ndarray], model: str) -> dict[str, np.ndarray]
     return {m: np.mean([p[m] for p in per_seed], axis=0) for m in per_seed[0] if m != "rank"}
 
 
+def segment_tables(name: str, ranks: dict[str, np.ndarray], model: str, reference: str) -> str:
+    """Markdown: the saved runs by history length and by test item popularity (segments.py)."""
+    split = protocol.leave_last_out(protocol.read_log(name))
+    models = [m for m in MODELS if any(k.split("/")[0] == m for k in ranks)]
+    per_user = {m: _per_user(ranks, m) for m in models}
+    users = len(next(iter(per_user.values()))["ndcg_at_10"])
+    if users != len(split.test):
+        raise SystemExit(f"{name}: the ranks hold {users} users, the split {len(split.test)}")
+    tables = []
+    for kind, (band, labels) in segments.segments_of_test_users(split).items():
+        table_md = segments.segment_table(per_user, band, labels, model, reference)
+        tables.append(f"By {kind}:\n\n{table_md}")
+    return "\n\n".join(tables)
+
+
 def merge(paths: list[Path]) -> dict[str, Any]:
     """One dataset's results from several processes' JSON files (first file's header).
 
@@ -747,6 +764,11 @@ def main() -> int:
         help="saved results: model A against model B on the same test users (bootstrap CI)",
     )  # fmt: skip
     parser.add_argument(
+        "--segments", nargs=2, metavar=("A", "B"),
+        help="saved results: every model by history length and by test item popularity, "
+        "model A against model B per segment (benchmarks/segments.py)",
+    )  # fmt: skip
+    parser.add_argument(
         "--merge", nargs="+", help="merge these results files of one dataset into --out"
     )
     args = parser.parse_args()
@@ -761,7 +783,7 @@ def main() -> int:
         print(table(merged, args.stage))
         return 0
     for name in args.data:
-        if args.table or args.paired:
+        if args.table or args.paired or args.segments:
             results = json.loads(out_path(name, args.out).read_text())
         else:
             results = run_dataset(name, args)
@@ -770,6 +792,9 @@ def main() -> int:
         if args.paired:
             ranks = load_ranks(ranks_path(out_path(name, args.out)))
             print("\n" + paired(ranks, *args.paired))
+        if args.segments:
+            print("\n" + segment_tables(name, load_ranks(ranks_path(out_path(name, args.out))),
+                                         *args.segments))  # fmt: skip
     return 0
 
 
