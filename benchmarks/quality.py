@@ -611,12 +611,11 @@ def paired(ranks: dict[str, np.ndarray], a: str, b: str, resamples: int = 10_000
     lines = [f"| metric | {a} | {b} | {a} - {b} (95% CI over users) | relative |",
              "|---|---:|---:|---|---:|"]  # fmt: skip
     for metric in ("recall_at_10", "ndcg_at_10", "recall_at_50", "mrr_at_100"):
-        diff = values[a][metric] - values[b][metric]
-        low, high = np.percentile(diff[picks].mean(axis=1), [2.5, 97.5])
+        mean, low, high = segments.difference_interval(values[a][metric] - values[b][metric], picks)
         base = values[b][metric].mean()
         lines.append(
-            f"| {metric} | {values[a][metric].mean():.4f} | {base:.4f} | {diff.mean():+.4f} "
-            f"({low:+.4f}, {high:+.4f}) | {diff.mean() / base:+.1%} ({low / base:+.1%}, "
+            f"| {metric} | {values[a][metric].mean():.4f} | {base:.4f} | {mean:+.4f} "
+            f"({low:+.4f}, {high:+.4f}) | {mean / base:+.1%} ({low / base:+.1%}, "
             f"{high / base:+.1%}) |"
         )
     return "\n".join(lines)

@@ -32,7 +32,8 @@ def history_bands(lengths: np.ndarray) -> tuple[np.ndarray, list[str]]:
     """Each user's band by item count (terciles), and the bands' labels with their ranges."""
     low, high = np.quantile(lengths, [1 / 3, 2 / 3], method="lower")
     band = np.where(lengths <= low, 0, np.where(lengths <= high, 1, 2))
-    ranges = [f"<= {low}", f"{low + 1}-{high}", f"> {high}"]
+    middle = "none" if high == low else str(high) if high == low + 1 else f"{low + 1}-{high}"
+    ranges = [f"<= {low}", middle, f"> {high}"]
     return band, [f"{name} ({r})" for name, r in zip(HISTORY_BANDS, ranges, strict=True)]
 
 
@@ -55,14 +56,23 @@ def popularity_bands(counts: np.ndarray, targets: np.ndarray) -> tuple[np.ndarra
 def segments_of_test_users(split: protocol.Split) -> dict[str, tuple[np.ndarray, list[str]]]:
     """Both segmentations of the test users (in the protocol's order: sorted user index)."""
     rows = sorted(split.test)
-    known = [split.sequence(u, with_validation=True) for u in rows]
     every = [split.sequence(u, with_validation=True) for u in range(len(split.users))]
     counts = np.bincount(np.concatenate(every), minlength=len(split.catalog))
     targets = np.array([split.test[u] for u in rows], np.int64)
     return {
-        "history": history_bands(np.array([len(k) for k in known])),
+        "history": history_bands(np.array([len(every[u]) for u in rows])),
         "popularity": popularity_bands(counts, targets),
     }
+
+
+def difference_interval(diff: np.ndarray, picks: np.ndarray) -> tuple[float, float, float]:
+    """Mean of per-user differences and its 95% percentile-bootstrap interval.
+
+    `picks` is [resamples, users] of user indices drawn with replacement; each row's mean
+    difference is one bootstrap replicate.
+    """
+    low, high = np.percentile(diff[picks].mean(axis=1), [2.5, 97.5])
+    return float(diff.mean()), float(low), float(high)
 
 
 def _relative(
@@ -73,8 +83,8 @@ def _relative(
         return "n/a"
     diff = model - reference
     picks = rng.integers(0, len(diff), size=(resamples, len(diff)))
-    low, high = np.percentile(diff[picks].mean(axis=1), [2.5, 97.5])
-    return f"{diff.mean() / base:+.1%} ({low / base:+.1%}, {high / base:+.1%})"
+    mean, low, high = difference_interval(diff, picks)
+    return f"{mean / base:+.1%} ({low / base:+.1%}, {high / base:+.1%})"
 
 
 def segment_table(

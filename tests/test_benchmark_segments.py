@@ -13,6 +13,13 @@ def test_history_bands_are_user_terciles_with_edges_in_the_lower_band() -> None:
     assert labels == ["short (<= 3)", "medium (4-6)", "long (> 6)"]
 
 
+def test_history_bands_name_an_empty_or_single_value_middle_band() -> None:
+    _, labels = segments.history_bands(np.array([2, 2, 2, 2, 2, 9]))
+    assert labels[1] == "medium (none)"
+    _, labels = segments.history_bands(np.array([1, 1, 2, 2, 3, 3]))
+    assert labels == ["short (<= 1)", "medium (2)", "long (> 2)"]
+
+
 def test_popularity_bands_hold_a_third_of_the_interactions_each() -> None:
     # 12 interactions, items by count: 3 (5), 0 (3), 4 (2), ... Item 3 has none ranked before
     # it (head), item 0 has 5 (under 8: torso), item 4 has 8 (not under two thirds: tail).
