@@ -18,8 +18,9 @@ from recsys.core.layout import Workdir
 from recsys.losses import in_batch_softmax_loss
 from recsys.model import TrainedModel, TwoTowerModel, warm_start
 from recsys.model.encoders import GRUEncoder, TransformerEncoder, right_align
+from recsys.model.inputs import HISTORY_INDEX, USER_INDEX
 from recsys.model.negatives import sample_pool
-from recsys.model.trained import ENCODE_ELEMENTS, MAX_ENCODE_ROWS
+from recsys.model.trained import ENCODE_ELEMENTS, MAX_ENCODE_ROWS, history_groups
 from recsys.training.memory import FLOAT, estimate
 from serving_export.savedmodels import export_savedmodels
 from tests.conftest import SMALL_DATE
@@ -312,6 +313,47 @@ def test_query_vectors_are_encoded_in_row_chunks_bounded_by_the_history_size() -
     whole = model.user_embeddings(users, histories, batch_size=len(users))
     np.testing.assert_allclose(model.user_embeddings(users, histories, 1), whole, atol=1e-6)
     np.testing.assert_allclose(model.user_embeddings(users, histories), whole, atol=1e-6)
+
+
+def test_history_groups_collect_rows_by_the_slot_of_their_last_item() -> None:
+    pad = -1
+    history = np.array([[3, 4, pad], [pad, pad, pad], [5, pad, pad], [1, 2, pad], [7, 8, 9]])
+    groups = history_groups(history, len(history))
+    assert [(rows.tolist(), width) for rows, width in groups] == [
+        ([1], 0),
+        ([2], 1),
+        ([0, 3], 2),
+        ([4], 3),
+    ]
+    assert [(r.tolist(), w) for r, w in history_groups(None, 3)] == [([0, 1, 2], 0)]
+    assert history_groups(np.zeros((0, 3), np.int64), 0) == []
+
+
+@pytest.mark.parametrize(
+    "update",
+    [
+        {"encoder_positions": "relative"},
+        {"encoder_positions": "absolute"},
+        {"encoder_positions": "relative", "history_mean": True},
+        {"query_encoder": "gru"},
+        {"query_encoder": "mean"},
+    ],
+)
+def test_histories_trimmed_of_their_padding_encode_as_the_full_width(
+    update: dict[str, object],
+) -> None:
+    """The grouped, trimmed encoding equals one tower call on the [n, history_length] matrix."""
+    tf.keras.utils.set_random_seed(11)
+    model = TrainedModel.build(USERS, ITEMS, TRANSFORMER.model_copy(update=update))
+    rng = np.random.default_rng(0)
+    counts = [0, 1, 2, 2, 3, LENGTH, LENGTH - 1, 4]
+    history = np.full((len(counts), LENGTH), -1, np.int64)
+    for row, count in enumerate(counts):
+        history[row, :count] = rng.integers(1, len(ITEMS), count)
+    users = np.arange(len(counts), dtype=np.int64) + 1
+    full = model.query_tower({USER_INDEX: tf.constant(users), HISTORY_INDEX: tf.constant(history)})
+    np.testing.assert_allclose(model.query_embeddings(users, history), full.numpy(), atol=1e-5)
+    np.testing.assert_allclose(model.query_embeddings(users, history, 1), full.numpy(), atol=1e-5)
 
 
 @pytest.mark.parametrize(

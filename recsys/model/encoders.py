@@ -5,6 +5,7 @@ self-attention over the ordered history, as in SASRec (Kang & McAuley, 2018):
 
     ids are right-aligned so the latest item sits at position L-1 (a position = recency)
     x_t   = sqrt(d) V[h_t] + P[t]                        (V: the item table, P: learned positions)
+    (a window narrower than L takes P's last slots, so the latest item always has P[L-1])
     (`encoder_positions: relative`: no P; each attention adds a learned bias b[t - s] per head
     and distance to its scores, recsys/model/attention.py)
     block = x + Drop(MHA(LN(x), mask)) ; x + Drop(FFN(LN(x)))   (pre-LN, FFN = ReLU(xW1)W2)
@@ -125,10 +126,13 @@ class TransformerEncoder(tf.keras.layers.Layer):
         x = self.item_embedding(tf.where(valid, ids, tf.zeros_like(ids)))
         mask = tf.cast(valid, x.dtype)[..., None]
         x = x * self.scale
-        if self.positions is not None:
-            x = x + tf.cast(self.positions, x.dtype)[None]
-        x = x * mask
         length = tf.shape(ids)[1]
+        if self.positions is not None:
+            # The last `length` slot embeddings: the latest item keeps slot L-1's whatever
+            # the window's width, so a history trimmed of its padding encodes the same.
+            positions = self.positions[tf.shape(self.positions)[0] - length :]
+            x = x + tf.cast(positions, x.dtype)[None]
+        x = x * mask
         causal = tf.linalg.band_part(tf.ones([length, length], tf.bool), -1, 0)
         eye = tf.cast(tf.eye(length), tf.bool)
         attend = tf.logical_or(tf.logical_and(causal[None], valid[:, None, :]), eye[None])

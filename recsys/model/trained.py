@@ -7,7 +7,7 @@ in the format of `recsys.model.storage`.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -50,6 +50,9 @@ class TrainedModel:
     candidate_tower: CandidateTower
     item_features: ItemFeatures = field(default_factory=ItemFeatures)
     user_features: UserFeatures = field(default_factory=UserFeatures)
+    _encode: Callable[[dict[str, tf.Tensor]], tf.Tensor] | None = field(
+        default=None, init=False, repr=False, compare=False
+    )
 
     @classmethod
     def build(
@@ -108,9 +111,11 @@ class TrainedModel:
         hidden = self.config.hidden_dims
         return hidden[-1] if hidden else self.config.embedding_dim
 
-    def encode_rows(self) -> int:
-        """Rows per query-tower call: ENCODE_ELEMENTS over one row's history activations."""
-        per_row = max(self.config.history_length, 1) * max(self.config.embedding_dim, 1)
+    def encode_rows(self, columns: int | None = None) -> int:
+        """Rows per query-tower call: ENCODE_ELEMENTS over one row's history activations
+        (`columns` history slots; None: the whole `history_length`)."""
+        width = self.config.history_length if columns is None else columns
+        per_row = max(width, 1) * max(self.config.embedding_dim, 1)
         return max(64, min(MAX_ENCODE_ROWS, ENCODE_ELEMENTS // per_row))
 
     def item_indices(self) -> np.ndarray:
@@ -168,23 +173,12 @@ class TrainedModel:
         """
         if histories is not None and len(histories) != len(user_ids):
             raise ValueError(f"{len(histories)} histories for {len(user_ids)} users")
-        users, items = self.user_lookup(), self.item_lookup()
-        batch_size = batch_size or self.encode_rows()
-        parts = []
-        for i in range(0, len(user_ids), batch_size):
-            ids = list(user_ids[i : i + batch_size])
-            inputs = {USER_INDEX: users(tf.constant(ids, tf.string))}
-            if self.config.history_length:
-                hist = histories[i : i + batch_size] if histories is not None else [[]] * len(ids)
-                inputs[HISTORY_INDEX] = tf.constant(
-                    pad_histories(hist, items, self.config.history_length)
-                )
-            parts.append(self.query_tower(inputs).numpy())
-        return (
-            np.concatenate(parts).astype(np.float32)
-            if parts
-            else np.zeros((0, self.output_dim), np.float32)
-        )
+        ids = tf.constant(list(user_ids), tf.string) if len(user_ids) else tf.zeros([0], tf.string)
+        users = self.user_lookup()(ids).numpy()
+        history = None
+        if histories is not None and self.config.history_length:
+            history = pad_histories(histories, self.item_lookup(), self.config.history_length)
+        return self.query_embeddings(users, history, batch_size)
 
     def query_embeddings(
         self,
@@ -193,25 +187,41 @@ class TrainedModel:
         batch_size: int | None = None,
     ) -> np.ndarray:
         """[n, d] float32 query vectors of already looked-up inputs: user indices and
-        [n, history_length] item-index histories (oldest first, PAD after; None: empty)."""
-        batch_size = batch_size or self.encode_rows()
-        parts = []
-        for i in range(0, len(user_index), batch_size):
-            inputs = {USER_INDEX: tf.constant(user_index[i : i + batch_size], tf.int64)}
+        [n, history_length] item-index histories (oldest first, PAD after; None: empty).
+
+        Rows are encoded in groups of equal history width (the slots up to the last item),
+        each trimmed to that width: every encoder ignores the PAD slots after the last item
+        (tests/test_sequence_model.py), so on a log of short histories most of the padded
+        work is skipped. `batch_size`: rows per tower call (default: `encode_rows`).
+        """
+        user_index = np.asarray(user_index, np.int64)
+        out = np.zeros((len(user_index), self.output_dim), np.float32)
+        for rows, width in history_groups(history_index, len(user_index)):
+            step = batch_size or self.encode_rows(width)
+            for i in range(0, len(rows), step):
+                chunk = rows[i : i + step]
+                inputs = {USER_INDEX: tf.constant(user_index[chunk], tf.int64)}
+                if self.config.history_length:
+                    if history_index is None:
+                        hist = np.full((len(chunk), 1), PAD, np.int64)
+                    else:
+                        hist = history_index[chunk, : max(width, 1)]
+                    inputs[HISTORY_INDEX] = tf.constant(hist, tf.int64)
+                out[chunk] = self._query_graph()(inputs).numpy()
+        return out
+
+    def _query_graph(self) -> Callable[[dict[str, tf.Tensor]], tf.Tensor]:
+        """The query tower for inference as one graph traced once for any rows and width:
+        eager Keras calls cost ~4x more per row on CPU (benchmarks/encode_rows.py)."""
+        if self._encode is None:
+            spec = {USER_INDEX: tf.TensorSpec([None], tf.int64)}
             if self.config.history_length:
-                length = self.config.history_length
-                if history_index is None:
-                    rows = min(batch_size, len(user_index) - i)
-                    hist = np.full((rows, length), PAD, np.int64)
-                else:
-                    hist = history_index[i : i + batch_size]
-                inputs[HISTORY_INDEX] = tf.constant(hist, tf.int64)
-            parts.append(self.query_tower(inputs).numpy())
-        return (
-            np.concatenate(parts).astype(np.float32)
-            if parts
-            else np.zeros((0, self.output_dim), np.float32)
-        )
+                spec[HISTORY_INDEX] = tf.TensorSpec([None, None], tf.int64)
+            tower = self.query_tower
+            self._encode = tf.function(
+                lambda inputs: tower(inputs, training=False), input_signature=[spec]
+            )
+        return self._encode
 
     def save(self, path: Path) -> None:
         """Weights (TF checkpoints), vocabularies, item features and model config under `path`."""
@@ -240,6 +250,21 @@ class TrainedModel:
 
     def _towers(self) -> dict[str, tf.keras.Model]:
         return {"query": self.query_tower, "candidate": self.candidate_tower}
+
+
+def history_groups(history_index: np.ndarray | None, rows: int) -> list[tuple[np.ndarray, int]]:
+    """(row indices, width) groups of the rows whose left-aligned histories end at the same
+    slot (width: the slots up to the last item, 0 for an empty history), in row order."""
+    if not rows:
+        return []
+    if history_index is None or not history_index.shape[-1]:
+        return [(np.arange(rows), 0)]
+    slots = np.arange(1, history_index.shape[1] + 1)
+    width = np.max(np.where(history_index != PAD, slots[None, :], 0), axis=1)
+    order = np.argsort(width, kind="stable")
+    widths, starts = np.unique(width[order], return_index=True)
+    bounds = [*starts[1:], len(order)]
+    return [(order[lo:hi], int(w)) for w, lo, hi in zip(widths, starts, bounds, strict=True)]
 
 
 def _dummy_query(config: ModelConfig) -> dict[str, tf.Tensor]:
