@@ -212,7 +212,7 @@ class TrainedModel:
 
     def _query_graph(self) -> Callable[[dict[str, tf.Tensor]], tf.Tensor]:
         """The query tower for inference as one graph traced once for any rows and width:
-        eager Keras calls cost ~4x more per row on CPU (benchmarks/encode_rows.py)."""
+        eager Keras calls took 1.6-1.8x as long (benchmarks/query_encoding.py)."""
         if self._encode is None:
             spec = {USER_INDEX: tf.TensorSpec([None], tf.int64)}
             if self.config.history_length:
