@@ -20,6 +20,9 @@ with the user's non-test items removed:
   would, from the exported users.parquet (each user's vector from their latest history in the
   log given to the pipeline) and items.parquet. Optionally the same with a tuned config (`--tuned`).
 
+Every test score is also computed unfiltered (`test_unfiltered`: the user's known items left
+in the ranking, as many published tables rank), printed as a second table.
+
 Each (model, seed) result is written to the results JSON as soon as it exists, so a run can
 be resumed (`--resume`) or split across invocations; `--table` prints the markdown tables.
 Each run's per-user ranks of the scored item go to `<results>.ranks.npz` beside the JSON, so
@@ -90,6 +93,25 @@ def _scored(score_fn: ev.ScoreFn, data: ev.EvalSet) -> tuple[dict[str, float], n
     return {k: round(result.metrics[k], 4) for k in REPORTED}, ranks
 
 
+def _test_scored(
+    score_fn: ev.ScoreFn, data: ev.EvalSet
+) -> tuple[dict[str, float], np.ndarray, dict[str, float]]:
+    """The protocol's test metrics and ranks, and the unfiltered metrics (`unfiltered`)."""
+    metrics, ranks = _scored(score_fn, data)
+    return metrics, ranks, _metrics(score_fn, unfiltered(data))
+
+
+def unfiltered(data: ev.EvalSet) -> ev.EvalSet:
+    """`data` with every user's known items left in the ranking (nothing excluded).
+
+    The protocol removes them (filtered ranking); many published tables rank them too, where
+    a model that scores a user's own items high loses ranks to them.
+    """
+    return replace(data, exclude=[np.zeros(0, np.int64) for _ in data.users])
+
+
+UNFILTERED = "test_unfiltered"
+"""Results key of the unfiltered test metrics, beside `test` (filtered)."""
 RANK_CAP = 100
 """0-based ranks are kept up to 99 (every reported metric reads no further); 100: the rest."""
 RANKS_KEY = "_ranks"
@@ -148,8 +170,8 @@ def _users_with_last_second_ties(log: protocol.Log) -> int:
 def run_popularity(b: Bench, seed: int) -> dict[str, Any]:
     """Training (+ validation) interaction counts as every user's scores."""
     val = _metrics(ev.popularity_scores(_counts(b.train_x)), b.val_set)
-    test, ranks = _scored(ev.popularity_scores(_counts(b.trainval_x)), b.test_set)
-    return {"validation": val, "test": test, RANKS_KEY: ranks}
+    test, ranks, raw = _test_scored(ev.popularity_scores(_counts(b.trainval_x)), b.test_set)
+    return {"validation": val, "test": test, UNFILTERED: raw, RANKS_KEY: ranks}
 
 
 def _counts(x: Any) -> np.ndarray:
@@ -171,12 +193,14 @@ def run_ease(b: Bench, seed: int) -> dict[str, Any]:
         log.info("%s ease lambda %g: %s", b.name, l2, tried[l2])
     best = max(tried, key=lambda k: tried[k]["ndcg_at_10"])
     weights = baselines.ease_weights(b.trainval_x, best)
-    test, ranks = _scored(baselines.ease_scores(b.trainval_x[b.test_rows], weights), b.test_set)
+    scores = baselines.ease_scores(b.trainval_x[b.test_rows], weights)
+    test, ranks, raw = _test_scored(scores, b.test_set)
     return {
         "lambda": best,
         "validation": tried[best],
         "grid": tried,
         "test": test,
+        UNFILTERED: raw,
         RANKS_KEY: ranks,
     }
 
@@ -211,10 +235,10 @@ def run_als(b: Bench, seed: int) -> dict[str, Any]:
         _ALS_CHOICE[b.name] = (best, {str(k): v for k, v in tried.items()})
     (f, r, a), grid = _ALS_CHOICE[b.name]
     users, items = als_fit(b.trainval_x, f, r, a, seed=seed)
-    test, ranks = _scored(factor_scores(users, items, b.test_rows), b.test_set)
+    test, ranks, raw = _test_scored(factor_scores(users, items, b.test_rows), b.test_set)
     return {
         "factors": f, "reg": r, "alpha": a, "validation": grid[str((f, r, a))],
-        "grid": grid, "test": test, RANKS_KEY: ranks,
+        "grid": grid, "test": test, UNFILTERED: raw, RANKS_KEY: ranks,
     }  # fmt: skip
 
 
@@ -310,13 +334,13 @@ def run_sasrec(b: Bench, seed: int, results: dict[str, Any], args: Any) -> dict[
     start = time.perf_counter()
     trainer = sasrec.refit(n, b.sequences(list(range(len(b.split.users))), True), settings,
                            chosen["best_epoch"])  # fmt: skip
-    test, ranks = _scored(trainer.scores(test_queries), b.test_set)
+    test, ranks, raw = _test_scored(trainer.scores(test_queries), b.test_set)
     return {
         "label": label, "settings": asdict(settings), "best_epoch": chosen["best_epoch"],
         "refit_seconds": round(time.perf_counter() - start, 1),
         "validation": {"ndcg_at_10": chosen["validation_ndcg_at_10"]},
         "test_without_refit": chosen.get("test_without_refit", chosen.get("test")),
-        "test": test, RANKS_KEY: ranks,
+        "test": test, UNFILTERED: raw, RANKS_KEY: ranks,
     }  # fmt: skip
 
 
@@ -390,6 +414,11 @@ class Ours:
         scores, missing = self.parquet_scores(exported.embeddings)
         evaluated = {k: round(report.model[k], 4) for k in REPORTED}
         scored, ranks = _scored(scores, self.scored)
+        raw = (
+            {}
+            if self.stage == "validation"
+            else {UNFILTERED: _metrics(scores, unfiltered(self.scored))}
+        )
         return {
             "config": str(base.relative_to(REPO) if base.is_relative_to(REPO) else base),
             "seed": seed,
@@ -408,6 +437,7 @@ class Ours:
                 if self.stage == "validation"
                 else {"validation": evaluated, "test": scored}
             ),
+            **raw,
             "export_version": exported.version,
             "scored_users_missing_from_users_parquet": missing["users"],
             "catalog_items_missing_from_items_parquet": missing["items"],
@@ -788,6 +818,9 @@ def main() -> int:
             results = run_dataset(name, args)
         print(f"\n{name}: {results['data']}\n{results.get('command', '')}\n")
         print(table(results, args.stage))
+        if args.stage == "test" and any(UNFILTERED in r for r in results.get("runs", {}).values()):
+            print("\nunfiltered (each user's known items left in the ranking):\n")
+            print(table(results, UNFILTERED))
         if args.paired:
             ranks = load_ranks(ranks_path(out_path(name, args.out)))
             print("\n" + paired(ranks, *args.paired))

@@ -277,6 +277,9 @@ def test_per_user_ranks_are_kept_beside_the_results_for_paired_comparisons(
         r.dtype == np.uint8 and len(r) == results["data"]["test_users"] for r in ranks.values()
     )
     assert all(quality.RANKS_KEY not in run for run in json.loads(out.read_text())["runs"].values())
+    for run in results["runs"].values():  # unfiltered: known items compete, so never higher
+        assert set(run[quality.UNFILTERED]) == set(run["test"])
+        assert run[quality.UNFILTERED]["recall_at_10"] <= run["test"]["recall_at_10"]
     # The ranks give back the metrics the results file reports.
     for key, r in ranks.items():
         per_user = quality._per_user({key: r}, key.split("/")[0])
@@ -293,6 +296,19 @@ def test_per_user_ranks_are_kept_beside_the_results_for_paired_comparisons(
     quality.save_ranks(quality.ranks_path(other), {"als/seed0": ranks["ease/seed0"]})
     merged = {"runs": {"ease/seed0": {}, "als/seed0": {}}}
     assert sorted(quality.merge_ranks([out, other], merged)) == ["als/seed0", "ease/seed0"]
+
+
+def test_unfiltered_ranking_leaves_the_users_known_items_in() -> None:
+    """A user's 10 known items score above the target: rank 0 filtered, rank 10 unfiltered."""
+    from benchmarks import quality
+
+    data = ev.EvalSet(["u"], np.array([10]), [np.arange(10)], 20)
+    scores = np.arange(20, 0, -1, dtype=np.float32)[None, :]
+    test, ranks, raw = quality._test_scored(lambda rows: scores.repeat(len(rows), 0), data)
+    assert ranks.tolist() == [0]
+    assert (test["recall_at_10"], test["ndcg_at_10"]) == (1.0, 1.0)
+    assert (raw["recall_at_10"], raw["recall_at_50"]) == (0.0, 1.0)
+    assert [len(e) for e in quality.unfiltered(data).exclude] == [0]
 
 
 def test_paired_differences_on_identical_users_have_a_point_interval() -> None:

@@ -207,7 +207,7 @@ class TrainedModel:
                     else:
                         hist = history_index[chunk, : max(width, 1)]
                     inputs[HISTORY_INDEX] = tf.constant(hist, tf.int64)
-                out[chunk] = self._query_graph()(inputs).numpy()
+                out[chunk] = self._query_graph()(inputs).numpy().astype(np.float32)
         return out
 
     def _query_graph(self) -> Callable[[dict[str, tf.Tensor]], tf.Tensor]:
