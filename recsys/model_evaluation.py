@@ -7,11 +7,7 @@ challenger.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from pathlib import Path
-
-import numpy as np
-import tensorflow as tf
 
 from recsys import evaluation as ev
 from recsys.core.config import RecsysConfig
@@ -40,19 +36,6 @@ def evaluate_model(
     )
     eval_set = examples.eval_set(sequences.users, len(model.items))
     histories = examples.histories(sequences.items, model.config.history_length)
-    user_vectors = query_vectors(model, eval_set.users, histories)
+    user_vectors = model.query_embeddings(model.user_indices(eval_set.users), histories)
     scores = ev.dot_product_scores(user_vectors, model.item_embeddings())
     return eval_set, ev.evaluate(scores, eval_set, config.evaluation, progress)
-
-
-def query_vectors(
-    model: TrainedModel,
-    user_ids: Sequence[str],
-    histories: np.ndarray,
-    batch_size: int | None = None,
-) -> np.ndarray:
-    """[n, d] query vectors of raw user ids with histories already as item indices
-    ([n, history_length], PAD-filled): `TrainedModel.user_embeddings` without the string
-    lookups of every history item."""
-    ids = tf.constant(list(user_ids), tf.string) if len(user_ids) else tf.zeros([0], tf.string)
-    return model.query_embeddings(model.user_lookup()(ids).numpy(), histories, batch_size)

@@ -147,6 +147,10 @@ def test_unknown_user_ids_use_oov_buckets(model: TrainedModel, exported: dict[st
     got = serve(exported[QUERY], ids)["embedding"]
     np.testing.assert_allclose(got, model.user_embeddings(ids), atol=TOL)
     np.testing.assert_allclose(np.linalg.norm(got, axis=1), 1.0, atol=1e-5)
+    # Unknown ids hash into the first oov_buckets indices; known ones follow in vocab order.
+    index = model.user_indices(ids)
+    assert index.dtype == np.int64 and (index[[0, 1, 3]] < CONFIG.oov_buckets).all()
+    assert index[2] == CONFIG.oov_buckets + model.users.index("u3")
 
 
 def test_retrieval_equals_numpy_brute_force(model: TrainedModel, exported: dict[str, Path]) -> None:

@@ -173,12 +173,15 @@ class TrainedModel:
         """
         if histories is not None and len(histories) != len(user_ids):
             raise ValueError(f"{len(histories)} histories for {len(user_ids)} users")
-        ids = tf.constant(list(user_ids), tf.string) if len(user_ids) else tf.zeros([0], tf.string)
-        users = self.user_lookup()(ids).numpy()
         history = None
         if histories is not None and self.config.history_length:
             history = pad_histories(histories, self.item_lookup(), self.config.history_length)
-        return self.query_embeddings(users, history, batch_size)
+        return self.query_embeddings(self.user_indices(user_ids), history, batch_size)
+
+    def user_indices(self, user_ids: Sequence[str]) -> np.ndarray:
+        """[len(user_ids)] int64 user-tower indices of raw ids (unknown ids: OOV buckets)."""
+        ids = tf.constant(list(user_ids), tf.string) if len(user_ids) else tf.zeros([0], tf.string)
+        return self.user_lookup()(ids).numpy()
 
     def query_embeddings(
         self,
